@@ -1,0 +1,21 @@
+"""fully_shard: per-module fully sharded data parallelism (FSDP2 / ZeRO-3) for PyTorch.
+
+Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
+
+    from fully_shard import fully_shard
+"""
+
+from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "register_fsdp_forward_method",
+]
+
+__version__ = "0.1.0"

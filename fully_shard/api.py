@@ -1,0 +1,382 @@
+"""The public API: ``fully_shard``, ``FSDPModule``, ``UnshardHandle``, ``register_fsdp_forward_method``."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+from typing import Any, overload
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .group import ParamGroup
+from .mesh import mesh_info_for
+from .param import ShardedParam
+from .policy import MixedPrecisionPolicy, OffloadPolicy
+from .state import STATE_ATTR, FSDPState, state_of
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+
+# parameter object -> which fully_shard call sharded it: the original tensors (to catch
+# ties across groups) and the sharded DTensor parameters (to catch top-down calls)
+_SHARDED_ORIGINALS: weakref.WeakKeyDictionary[torch.Tensor, str] = weakref.WeakKeyDictionary()
+_SHARDED_PARAMS: weakref.WeakKeyDictionary[torch.Tensor, str] = weakref.WeakKeyDictionary()
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Any | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
+    """Shard ``module``'s parameters across the data-parallel ranks of ``mesh`` (ZeRO-3).
+
+    Every parameter that ``module`` owns, and that no earlier (nested) ``fully_shard`` call
+    already owns, joins one group. Between iterations each is an ``nn.Parameter`` wrapping a
+    DTensor sharded on dim 0 (``torch.chunk`` semantics: the last ranks may hold fewer rows,
+    or none), so each rank keeps ``1/N`` of the parameters, gradients and optimizer state.
+    Just before the module's forward, one all-gather rebuilds the group's full parameters;
+    after forward they are freed (``reshard_after_forward``) and gathered again for backward;
+    after backward one reduce-scatter leaves each rank with the averaged gradient of its
+    rows, accumulated into the sharded ``.grad``. The module's class is swapped in place for
+    a subclass that also inherits :class:`FSDPModule`; nothing wraps it.
+
+    Call it bottom-up: on each block, then on the root. The first forward through an FSDP
+    module makes it the root; the root keeps its parameters after forward by default since
+    backward needs them first.
+
+    Args:
+        module: a module, or a list of modules that form one group together.
+        mesh: a 1-D :class:`DeviceMesh` of the data-parallel ranks. Default: a 1-D mesh over
+            the default process group on the current accelerator (CPU if none).
+        reshard_after_forward: ``True`` frees the full parameters after forward (gathered
+            again in backward); ``False`` keeps them until after backward (no backward
+            all-gather, more memory). ``None``: ``True`` except for the root.
+        shard_placement_fn: not supported yet (raises ``NotImplementedError``).
+        mp_policy: not supported yet beyond the default.
+        offload_policy: not supported yet beyond the default.
+        ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
+
+    Returns:
+        ``module``, its class now also an :class:`FSDPModule`.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cpu", (world_size,))
+        >>> for block in model.layers:
+        ...     fully_shard(block, mesh=mesh)
+        >>> fully_shard(model, mesh=mesh)
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> model(tokens).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    modules = _as_modules(module)
+    if shard_placement_fn is not None:
+        raise NotImplementedError("fully_shard: shard_placement_fn is not supported yet; leave it None (Shard(0))")
+    if mp_policy != MixedPrecisionPolicy():
+        raise NotImplementedError("fully_shard: mixed precision (mp_policy) is not supported yet")
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError("fully_shard: CPU offload (offload_policy) is not supported yet")
+    if isinstance(reshard_after_forward, bool) or reshard_after_forward is None:
+        pass
+    elif isinstance(reshard_after_forward, int):
+        raise NotImplementedError(
+            "fully_shard: reshard_after_forward as an int (reshard to a smaller group) is not "
+            "supported yet; pass True, False or None"
+        )
+    else:
+        raise ValueError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
+    mesh_info = mesh_info_for(mesh)
+    device = mesh_info.device
+    ignored = set(ignored_params or ())
+    label = ", ".join(type(m).__name__ for m in modules)
+
+    found = _collect_params(modules, ignored)
+    sharded = [ShardedParam(p, fqn, uses, mesh_info, device) for p, (fqn, uses) in found.items()]
+    _move_buffers(modules, device)
+    for original, sp in zip(found, sharded):
+        _SHARDED_ORIGINALS[original] = label
+        _SHARDED_PARAMS[sp.sharded_param] = label
+        sp.register(unsharded=False)
+    group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
+    state = FSDPState(modules, group, device, reshard_after_forward)
+    for m in modules:
+        m.__dict__[STATE_ATTR] = state
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...]:
+    modules = (module,) if isinstance(module, nn.Module) else tuple(module)
+    if not modules:
+        raise ValueError("fully_shard needs at least one module")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its "
+                "parameters would never be gathered. Shard each member, or pass the members "
+                "as a list: fully_shard(list(container))"
+            )
+        if getattr(m, STATE_ATTR, None) is not None:
+            raise ValueError(
+                f"fully_shard was already called on this {type(m).__name__}; call it once per module"
+            )
+    return modules
+
+
+def _collect_params(
+    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
+    """The parameters this call owns: reachable from ``modules`` without passing through a
+    module an earlier call sharded. Maps each to its name and every place it is registered."""
+    found: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
+    visited: set[int] = set()
+
+    def visit(module: nn.Module, prefix: str, top: bool) -> None:
+        if id(module) in visited:
+            return
+        visited.add(id(module))
+        if not top and getattr(module, STATE_ATTR, None) is not None:
+            return  # owned by an inner call
+        for name, p in module._parameters.items():
+            if p is None or p in ignored:
+                continue
+            fqn = prefix + name
+            if p in _SHARDED_PARAMS:
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
+                    f"by the fully_shard call on {_SHARDED_PARAMS[p]}, an enclosing module. "
+                    "Apply fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
+                )
+            if p in _SHARDED_ORIGINALS:
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is tied to a "
+                    f"parameter that the fully_shard call on {_SHARDED_ORIGINALS[p]} already "
+                    "sharded. Tied parameters must be in one group: pass both modules in one "
+                    "call, fully_shard([a, b]), or shard their common parent instead."
+                )
+            if p in found:
+                found[p][1].append((module, name))
+            else:
+                found[p] = (fqn, [(module, name)])
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
+
+    for i, m in enumerate(modules):
+        visit(m, f"{i}." if len(modules) > 1 else "", True)
+    return found
+
+
+def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
+    for m in modules:
+        for sub in m.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and not buf.is_meta and buf.device != device:
+                    sub._buffers[name] = buf.to(device)
+
+
+def _fsdp_class(cls: type) -> type:
+    if issubclass(cls, FSDPModule):
+        return cls
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
+    return _FSDP_CLASSES[cls]
+
+
+def _no_deepcopy(self: nn.Module, memo: Any) -> Any:
+    raise RuntimeError(
+        f"copy.deepcopy is not supported on {type(self).__name__}, a module sharded by "
+        "fully_shard: its parameters alternate between sharded DTensors and views of "
+        "communication buffers. Deep-copy the model before calling fully_shard, or build a "
+        "new model and load_state_dict(model.state_dict())."
+    )
+
+
+class UnshardHandle:
+    """The all-gather issued by ``FSDPModule.unshard(async_op=True)``.
+
+    Example::
+
+        >>> handle = block.unshard(async_op=True)
+        >>> ...  # overlap other work with the all-gather
+        >>> handle.wait()  # block's full parameters are now in place
+    """
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        """Block until the all-gather finished and the full parameters are in place."""
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixed into the class of every module passed to :func:`fully_shard`.
+
+    ``isinstance(m, FSDPModule)`` tells whether ``m`` was sharded; ``isinstance`` with the
+    original class still holds. The methods below control communication.
+
+    Example::
+
+        >>> fully_shard(model)
+        >>> model.set_requires_gradient_sync(False)  # accumulate gradients locally
+        >>> model(x1).sum().backward()
+        >>> model.set_requires_gradient_sync(True)
+        >>> model(x2).sum().backward()  # reduce-scatters the accumulated gradients
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # nn.Sequential / nn.ModuleList slicing builds ``self.__class__(...)``: hand back
+        # an instance of the original class, which nobody has sharded
+        orig_cls = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
+        self = orig_cls.__new__(orig_cls, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _fully_shard_states(self, recurse: bool) -> list[FSDPState]:
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        states: dict[int, FSDPState] = {}
+        for m in modules:
+            state = getattr(m, STATE_ATTR, None)
+            if state is not None:
+                states.setdefault(id(state), state)
+        return list(states.values())
+
+    def reshard(self) -> None:
+        """Free this module's full parameters, leaving the sharded ones registered."""
+        group = state_of(self).group  # type: ignore[arg-type]
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now, e.g. to prefetch ahead of forward.
+
+        With ``async_op=True`` returns an :class:`UnshardHandle` to wait on; otherwise waits
+        and returns None. The next forward finds the parameters already gathered.
+        """
+        group = state_of(self).group  # type: ignore[arg-type]
+        if group is not None:
+            for p in group.params:
+                p.check_materialized()
+            group.unshard(async_op=True)
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward, return every group to its sharded,
+        idle state so training can go on. Call it on the root. The failed iteration's
+        gradients (and any accumulated with sync off) are dropped."""
+        state_of(self).reset_iter_state()  # type: ignore[arg-type]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step: only then does
+        its end wait for the last gradient reduction (useful when pipelining microbatches)."""
+        state = state_of(self)  # type: ignore[arg-type]
+        state.lazy_init()
+        assert state.ctx is not None
+        state.ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn gradient reduction on or off (off: gradients accumulate unsharded, locally,
+        until a backward with it on). Applies to submodules too unless ``recurse=False``."""
+        for state in self._fully_shard_states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: turn the all-reduce across replicas on or off (the reduce-scatter still runs)."""
+        for state in self._fully_shard_states(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Whether to free full parameters after forward (and gather them again in backward)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        for state in self._fully_shard_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Whether to free full parameters after backward (False keeps them for the next
+        forward, e.g. between gradient-accumulation microbatches)."""
+        for state in self._fully_shard_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters as this module's forward starts, instead of
+        the implicit choice (the module that ran next in the previous iteration)."""
+        state_of(self).forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")  # type: ignore[arg-type]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters as this module's backward starts, instead of
+        the implicit choice (the module that ran before it in forward)."""
+        state_of(self).backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")  # type: ignore[arg-type]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of averaging over the ranks."""
+        if not factor > 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor!r}")
+        for state in self._fully_shard_states(recurse=True):
+            if state.group is not None:
+                state.group.gradient_divide_factor = float(factor)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Make the next forward's first all-gather wait for ``event`` (recorded after the
+        optimizer step) rather than for the whole current stream. No-op on the CPU."""
+        state = state_of(self)  # type: ignore[arg-type]
+        state.lazy_init()
+        assert state.ctx is not None
+        state.ctx.post_optim_event = event
+
+
+def _states_of(modules: list[FSDPModule], method: str) -> list[FSDPState]:
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"{method} expects modules sharded by fully_shard, got a {type(m).__name__}")
+    return [state_of(m) for m in modules]  # type: ignore[arg-type]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run fully_shard's forward hooks around ``module.<method_name>`` too.
+
+    For methods other than ``forward`` that use the parameters (e.g. ``generate``). A no-op
+    when ``module`` is not an :class:`FSDPModule`, so one code path serves both.
+
+    Example::
+
+        >>> fully_shard(model)
+        >>> register_fsdp_forward_method(model, "generate")
+        >>> model.generate(prompt)  # parameters gathered, then freed
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    orig = getattr(module, method_name)
+
+    @functools.wraps(orig)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        state = state_of(module)
+        args, kwargs = state.pre_forward(args, kwargs)
+        return state.post_forward(orig(*args, **kwargs))
+
+    module.__dict__[method_name] = wrapped

@@ -1,0 +1,147 @@
+"""Flat-buffer collectives: the only file that calls torch.distributed collectives.
+
+An all-gather packs every parameter's local shard of a group into one flat input (each
+padded to the same per-rank size), gathers it, and copies the result out into each
+parameter's unsharded buffer. A reduce-scatter chunk-concatenates the group's unsharded
+gradients into one flat input and leaves each rank with its own flat shard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor collectives; older releases only have the old names.
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+# dtypes whose sum over ranks is safe from overflow: reduced with ReduceOp.AVG directly
+_AVG_SAFE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+@dataclass
+class AllGatherWork:
+    """An all-gather in flight: its buffers are held here until ``wait`` returns."""
+
+    work: dist.Work | None
+    input: torch.Tensor  # 1-D, this rank's packed shards
+    output: torch.Tensor  # 1-D, world_size * input.numel(), rank-major
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.output
+
+
+@dataclass
+class ReduceScatterWork:
+    """A reduce-scatter (and optional all-reduce) in flight, holding its buffers."""
+
+    work: dist.Work | None
+    input: torch.Tensor | None  # (world_size, shard_numel) chunk-concatenated gradients
+    output: torch.Tensor  # 1-D, this rank's reduced flat shard
+    post_divide: float | None
+    all_reduce_group: dist.ProcessGroup | None = None  # HSDP: replicas to all-reduce over
+    all_reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.input = None
+        if self.all_reduce_group is not None:
+            dist.all_reduce(self.output, op=self.all_reduce_op, group=self.all_reduce_group)
+        if self.post_divide is not None:
+            self.output.div_(self.post_divide)
+        return self.output
+
+
+def all_gather(
+    shards: list[torch.Tensor],
+    shard_numels: list[int],
+    group: dist.ProcessGroup,
+    world_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    async_op: bool,
+) -> AllGatherWork:
+    """Pack ``shards`` (each padded to its ``shard_numels`` entry) and all-gather them.
+
+    The padding of each slot is left uninitialised: it is copied out into padding rows
+    of the unsharded buffers, which no user ever sees.
+    """
+    total = sum(shard_numels)
+    inp = torch.empty(total, dtype=dtype, device=device)
+    slots = [
+        flat[: s.numel()] for flat, s in zip(torch.split(inp, shard_numels), shards)
+    ]
+    if slots:
+        torch._foreach_copy_(slots, [s.reshape(-1) for s in shards])
+    out = torch.empty(total * world_size, dtype=dtype, device=device)
+    if world_size == 1:
+        out.copy_(inp)
+        return AllGatherWork(None, inp, out)
+    work = getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)
+    return AllGatherWork(work, inp, out)
+
+
+def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
+    """Copy a gathered flat output into each parameter's padded unsharded buffer.
+
+    ``dests[i]`` is a 1-D buffer of ``world_size * shard_numels[i]`` elements; row ``r``
+    of its ``(world_size, shard_numel)`` view receives rank ``r``'s shard.
+    """
+    outs = [d.view(world_size, -1) for d in dests]
+    # The destinations alias parameters that autograd may have saved for backward:
+    # refilling them is not a modification autograd must see.
+    with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+        torch.split_with_sizes_copy(output.view(world_size, -1), shard_numels, dim=1, out=outs)
+
+
+def divide_factors(
+    dtype: torch.dtype, data_parallel_size: int, factor: float | None
+) -> tuple[dist.ReduceOp.RedOpType, float | None, float | None]:
+    """How to average: (reduce op, pre-divide, post-divide).
+
+    fp32/bf16 use ``ReduceOp.AVG``. Narrow dtypes (fp16) divide before and after the sum
+    so neither the sum nor the pre-divided values leave their range. A custom factor is
+    applied as a pre-divide and a sum (gloo has no ``PREMUL_SUM``).
+    """
+    if factor is not None:
+        return dist.ReduceOp.SUM, float(factor), None
+    if data_parallel_size == 1:
+        return dist.ReduceOp.SUM, None, None
+    if dtype in _AVG_SAFE_DTYPES:
+        return dist.ReduceOp.AVG, None, None
+    root = math.sqrt(data_parallel_size)
+    return dist.ReduceOp.SUM, root, data_parallel_size / root
+
+
+def reduce_scatter(
+    grads: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    world_size: int,
+    dtype: torch.dtype,
+    divide_factor: float | None,
+    all_reduce_group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> ReduceScatterWork:
+    """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard."""
+    replicate_size = all_reduce_group.size() if all_reduce_group is not None else 1
+    op, pre, post = divide_factors(dtype, world_size * replicate_size, divide_factor)
+    grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
+    # (world_size, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded
+    inp = torch._chunk_cat(grads, dim=0, num_chunks=world_size)
+    if pre is not None:
+        inp.div_(pre)
+    out = torch.empty(inp.shape[1], dtype=dtype, device=inp.device)
+    if world_size == 1:
+        out.copy_(inp.view(-1))
+        work = None
+    else:
+        work = getattr(dist, _REDUCE_SCATTER)(out, inp.view(-1), op=op, group=group, async_op=async_op)
+    return ReduceScatterWork(work, inp, out, post, all_reduce_group, op)

@@ -1,0 +1,141 @@
+"""One parameter: its sharded DTensor, and the unsharded buffer it is gathered into."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .mesh import MeshInfo
+
+
+def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(size):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+class ShardedParam:
+    """A parameter sharded on dim 0 with ``torch.chunk`` semantics.
+
+    Rank ``r`` of ``N`` holds rows ``[r*c, min((r+1)*c, n))`` of an ``n``-row parameter,
+    where ``c = ceil(n / N)``: the last ranks may hold fewer rows, or none. In the flat
+    collective buffers every rank's slot is ``c`` rows (padded), so the unsharded buffer has
+    ``N*c`` rows of which the first ``n`` are the parameter.
+    """
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        fqn: str,
+        uses: list[tuple[nn.Module, str]],
+        mesh_info: MeshInfo,
+        device: torch.device,
+    ) -> None:
+        if param.dim() == 0:
+            raise ValueError(
+                f"fully_shard cannot shard the scalar parameter {fqn!r} on dim 0: give it "
+                "shape (1,) or pass it in ignored_params"
+            )
+        self.local_fqn = fqn  # relative to the module(s) given to fully_shard
+        self.fqn = fqn  # relative to the root, once lazy init knows it
+        self.uses = uses  # every (module, attribute name) that registers this parameter
+        self.mesh_info = mesh_info
+        self.device = device
+        self.size = param.shape
+        self.dtype = param.dtype
+        world, rank = mesh_info.shard_size, mesh_info.shard_rank
+        rows = self.size[0]
+        self.chunk_rows = math.ceil(rows / world)
+        row_numel = math.prod(self.size[1:])
+        self.shard_numel = self.chunk_rows * row_numel  # padded per-rank slot, in elements
+        start = min(rank * self.chunk_rows, rows)
+        self.local_rows = min(start + self.chunk_rows, rows) - start
+        self.padded_shape = (world * self.chunk_rows, *self.size[1:])
+
+        src = param.detach()[start : start + self.local_rows]
+        target = torch.device("meta") if param.is_meta else device
+        local = torch.empty(src.shape, dtype=self.dtype, device=target)  # this rank's rows
+        if not param.is_meta:
+            local.copy_(src)
+        self._spec = DTensorSpec(
+            mesh_info.mesh,
+            (Shard(0),),
+            TensorMeta(self.size, _contiguous_stride(self.size), self.dtype),
+        )
+        self.sharded_param = nn.Parameter(
+            DTensor(local, self._spec, requires_grad=param.requires_grad),
+            requires_grad=param.requires_grad,
+        )
+        self._padded_unsharded: torch.Tensor | None = None  # 1-D, N*c rows; storage freed when sharded
+        self.unsharded_param: nn.Parameter | None = None  # view of the first n rows
+        self.accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
+
+    # -- sharded side ------------------------------------------------------------
+
+    @property
+    def local_shard(self) -> torch.Tensor:
+        """This rank's rows (read afresh: ``to_empty``/``load_state_dict`` may swap them)."""
+        return self.sharded_param._local_tensor
+
+    def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap a tensor shaped like this rank's rows as a DTensor laid out like the parameter."""
+        return DTensor(local, self._spec, requires_grad=False)
+
+    def check_materialized(self) -> None:
+        if self.local_shard.is_meta:
+            raise RuntimeError(
+                f"parameter {self.fqn!r} is still on the meta device at the first forward: call "
+                "model.to_empty(device=...) and initialise the parameters (e.g. "
+                "model.reset_parameters()) after fully_shard and before running forward"
+            )
+
+    # -- unsharded side ------------------------------------------------------------
+
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Give the unsharded buffer its storage back; returns the flat padded buffer."""
+        if self._padded_unsharded is None or self._padded_unsharded.dtype != self.dtype:
+            numel = self.shard_numel * self.mesh_info.shard_size
+            self._padded_unsharded = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self.unsharded_param = nn.Parameter(
+                self._padded_unsharded.view(self.padded_shape)[: self.size[0]],
+                requires_grad=self.sharded_param.requires_grad,
+            )
+            return self._padded_unsharded
+        storage = self._padded_unsharded.untyped_storage()
+        nbytes = self._padded_unsharded.numel() * self._padded_unsharded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        assert self.unsharded_param is not None
+        self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
+        return self._padded_unsharded
+
+    def free_unsharded(self) -> None:
+        """Release the unsharded storage; the tensor objects stay, so autograd's saved
+        references see the data again after the next all-gather."""
+        if self._padded_unsharded is not None:
+            self._padded_unsharded.untyped_storage().resize_(0)
+
+    # -- which tensor the modules see --------------------------------------------
+
+    def register(self, unsharded: bool) -> None:
+        param = self.unsharded_param if unsharded else self.sharded_param
+        for module, name in self.uses:
+            module._parameters[name] = param
+
+    @property
+    def unsharded_grad(self) -> torch.Tensor | None:
+        return None if self.unsharded_param is None else self.unsharded_param.grad
+
+    def accumulate_sharded_grad(self, local: torch.Tensor) -> None:
+        """Add this rank's reduced rows to the sharded gradient (or set it)."""
+        grad = self.sharded_param.grad
+        if grad is None:
+            self.sharded_param.grad = self.to_sharded_dtensor(local)
+        else:
+            grad._local_tensor.add_(local)

@@ -1,0 +1,60 @@
+"""User-facing policies: how parameters are cast and where sharded state lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for communication and compute, while sharded parameters keep their own.
+
+    Args:
+        param_dtype: dtype of the all-gathered (unsharded) parameters used in forward and
+            backward. ``None`` keeps each parameter's original dtype.
+        reduce_dtype: dtype in which gradients are reduce-scattered. ``None`` means
+            ``param_dtype``.
+        output_dtype: dtype to which floating-point forward outputs are cast. ``None``
+            leaves outputs alone.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+
+    Example::
+
+        >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        >>> fully_shard(block, mp_policy=policy)
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: sharded parameters, gradients and optimizer state stay on the mesh device.
+
+    Example::
+
+        >>> fully_shard(block, offload_policy=OffloadPolicy())  # the default
+    """
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, their gradients and optimizer state in host memory.
+
+    Args:
+        pin_memory: pin the host copies so device transfers are asynchronous (ignored on a
+            machine with no accelerator).
+
+    Example::
+
+        >>> fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True))
+    """
+
+    pin_memory: bool = True

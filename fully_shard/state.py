@@ -1,0 +1,364 @@
+"""The hook driver: the only file that knows about module and autograd hooks.
+
+One ``FSDPState`` per ``fully_shard`` call. The first forward through an FSDP module makes
+it the root: it finds every state below it and links them to one ``RootContext`` that
+holds per-iteration bookkeeping (execution order, the reduction in flight, the end of
+backward). Each state runs its group through the four phases:
+
+    pre_forward   unshard (or take a prefetched all-gather), prefetch the next group,
+                  hook the inputs so post_backward runs when their gradients are ready
+    post_forward  reshard if asked, hook the outputs so pre_backward runs on their grads
+    pre_backward  unshard again if resharded, prefetch the group next in backward
+    post_backward reduce-scatter the gradients, reshard
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import streams
+from .group import ParamGroup, PendingReduce
+
+STATE_ATTR = "_fully_shard_state"
+
+
+class TrainingState(Enum):
+    """What a state is doing now."""
+
+    IDLE = auto()  # between phases
+    FORWARD = auto()  # inside its module's forward
+    PRE_BACKWARD = auto()  # its outputs' gradients arrived; its backward is computing
+    POST_BACKWARD = auto()  # reducing its gradients
+
+
+class RootContext:
+    """Bookkeeping shared by every state under one root, reset each iteration."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states  # module pre-order, root first
+        self.forward_order: list[FSDPState] = []  # pre-forward order, this iteration
+        self.prev_forward_order: list[FSDPState] = []  # ... of the last iteration: forward prefetch
+        self.post_forward_order: list[FSDPState] = []  # reversed, the backward order
+        self.callback_queued = False
+        self.pending_reduce: PendingReduce | None = None  # at most one reduction in flight
+        self.is_last_backward = True
+        self.post_optim_event: torch.Event | None = None
+
+    def finish_reduce(self) -> None:
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            pending.finish()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once their gradients are computed,
+    which is when the module's own backward has finished."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class FSDPState:
+    """Hooks and phases for the group of one ``fully_shard`` call over ``modules``."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup | None,
+        device: torch.device,
+        reshard_after_forward: bool | None,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.device = device
+        self.reshard_after_forward = reshard_after_forward  # None: resolved at lazy init
+        self.is_root: bool | None = None
+        self.ctx: RootContext | None = None
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[FSDPState] | None = None  # explicit, overrides implicit
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._post_forward_index = -1
+        self._register_hooks()
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def _register_hooks(self) -> None:
+        """Forward hooks on the module(s); a multi-module group runs its pre-forward when
+        the first of them starts and its post-forward when the last of them ends."""
+        if len(self.modules) == 1:
+            module = self.modules[0]
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False)
+            return
+        to_run: set[nn.Module] = set()
+
+        def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            if not to_run:
+                to_run.update(self.modules)
+                return self._pre_forward_hook(module, args, kwargs)
+            return None
+
+        def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+            to_run.discard(module)
+            if not to_run:
+                return self._post_forward_hook(module, args, output)
+            return None
+
+        for module in self.modules:
+            module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(post_hook, prepend=False)
+
+    def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return self.pre_forward(args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        return self.post_forward(output)
+
+    # -- lazy root initialisation -------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Make this state the root of every state below its module(s)."""
+        if self.ctx is not None:
+            return
+        states: list[FSDPState] = []
+        names: dict[int, str] = {}
+        for root_module in self.modules:
+            for name, sub in root_module.named_modules():
+                state = getattr(sub, STATE_ATTR, None)
+                if state is None or id(state) in names:
+                    continue
+                if state.ctx is not None:
+                    raise RuntimeError(
+                        f"fully_shard: the module {name!r} inside {type(root_module).__name__} already "
+                        "ran forward on its own, which made it a root. Run forward through the "
+                        "outermost fully_shard module first (call fully_shard on the model last)."
+                    )
+                names[id(state)] = name
+                states.append(state)
+        ctx = RootContext(states)
+        for state in states:
+            state.ctx = ctx
+            state.is_root = state is self
+            if state.reshard_after_forward is None:
+                state.reshard_after_forward = not state.is_root
+            if state.group is not None:
+                prefix = names[id(state)]
+                for p in state.group.params:
+                    p.fqn = f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn
+        for state in states:
+            if state.group is not None:
+                for p in state.group.params:
+                    p.check_materialized()
+
+    # -- forward -----------------------------------------------------------------------
+
+    def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self.lazy_init()
+        ctx = self.ctx
+        assert ctx is not None
+        with record_function("fully_shard::pre_forward"):
+            if self.is_root:
+                args, kwargs = self._root_pre_forward(args, kwargs)
+            self.training_state = TrainingState.FORWARD
+            grad_enabled = torch.is_grad_enabled()
+            if self.group is not None:
+                self.group.unshard(async_op=True)
+                self._prefetch(self._forward_prefetch_targets())
+                self.group.wait_for_unshard()
+                if grad_enabled:
+                    self.group.needs_post_backward = True
+            ctx.forward_order.append(self)
+            if grad_enabled and self.group is not None:
+                args, kwargs = self._hook_inputs(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, output: Any) -> Any:
+        ctx = self.ctx
+        assert ctx is not None
+        with record_function("fully_shard::post_forward"):
+            if self.group is not None and self.reshard_after_forward:
+                self.group.reshard()
+            self.training_state = TrainingState.IDLE
+            if torch.is_grad_enabled():
+                self._post_forward_index = len(ctx.post_forward_order)
+                ctx.post_forward_order.append(self)
+                output = self._hook_outputs(output)
+            if self.is_root:
+                self._root_post_forward()
+        return output
+
+    def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        ctx = self.ctx
+        assert ctx is not None
+        streams.current_stream_wait(self.device, ctx.post_optim_event)
+        ctx.post_optim_event = None
+        if ctx.forward_order:
+            ctx.prev_forward_order = ctx.forward_order
+        ctx.forward_order = []
+        if not any(s.group is not None and s.group.needs_post_backward for s in ctx.states):
+            ctx.post_forward_order = []  # no backward is owed: any older order is stale
+        if self.device.type != "cpu":
+            args, kwargs = _to_device((args, kwargs), self.device)
+        return args, kwargs
+
+    def _root_post_forward(self) -> None:
+        """Reshard groups prefetched for a module that did not run this time."""
+        ctx = self.ctx
+        assert ctx is not None
+        ran = {id(s) for s in ctx.forward_order}
+        for state in ctx.states:
+            if state.group is not None and state.group.is_unsharded and id(state) not in ran:
+                state.group.reshard()
+
+    def _forward_prefetch_targets(self) -> list[FSDPState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = self.ctx.prev_forward_order if self.ctx is not None else []
+        position = len(self.ctx.forward_order) if self.ctx is not None else 0
+        # the state that ran right after this one last iteration, if the order so far repeats
+        if position + 1 < len(order) and order[position] is self:
+            return [order[position + 1]]
+        return []
+
+    def _prefetch(self, targets: list[FSDPState]) -> None:
+        for target in targets:
+            if target.group is not None and not target.group.is_unsharded:
+                with record_function("fully_shard::prefetch"):
+                    target.group.unshard(async_op=True)
+
+    # -- backward ----------------------------------------------------------------------
+
+    def pre_backward(self, *unused: Any) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        with record_function("fully_shard::pre_backward"):
+            self._queue_final_callback()
+            self.training_state = TrainingState.PRE_BACKWARD
+            if self.group is not None:
+                self.group.unshard(async_op=True)
+                self._prefetch(self._backward_prefetch_targets())
+                self.group.wait_for_unshard()
+
+    def _backward_prefetch_targets(self) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        ctx = self.ctx
+        assert ctx is not None
+        i = self._post_forward_index
+        if 0 < i < len(ctx.post_forward_order) and ctx.post_forward_order[i] is self:
+            target = ctx.post_forward_order[i - 1]
+            if target.group is not None and target.group.needs_post_backward:
+                return [target]
+        return []
+
+    def post_backward(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        with record_function("fully_shard::post_backward"):
+            self._queue_final_callback()
+            self.training_state = TrainingState.POST_BACKWARD
+            group = self.group
+            if group is not None:
+                with torch.no_grad():
+                    pending = group.reduce_grads()
+                if group.reshard_after_backward:
+                    group.reshard()
+                if pending is not None:
+                    ctx.finish_reduce()  # the previous group's, issued one group ago
+                    ctx.pending_reduce = pending
+            self.training_state = TrainingState.IDLE
+
+    def _queue_final_callback(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            root = next(s for s in ctx.states if s.is_root)
+            Variable._execution_engine.queue_callback(root._finalize_backward)
+
+    def _finalize_backward(self) -> None:
+        """End of backward (queued by the root): settle groups autograd did not reach."""
+        ctx = self.ctx
+        assert ctx is not None
+        with record_function("fully_shard::finalize_backward"):
+            for state in ctx.states:
+                if state.group is not None and state.group.needs_post_backward:
+                    state.post_backward()  # e.g. inputs needed no gradient, or params unused
+            if ctx.is_last_backward:
+                with torch.no_grad():
+                    ctx.finish_reduce()
+            for state in ctx.states:
+                state.training_state = TrainingState.IDLE
+                group = state.group
+                if group is not None and group.is_unsharded and group.reshard_after_backward:
+                    group.reshard()  # prefetched but never used
+            ctx.post_forward_order = []
+            ctx.callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """Drop everything an aborted forward or backward left behind."""
+        if not self.is_root:
+            raise RuntimeError(
+                "reset_iter_state() must be called on the root module (the one fully_shard was "
+                "applied to last, whose forward ran first)"
+            )
+        ctx = self.ctx
+        assert ctx is not None
+        ctx.pending_reduce = None  # its peers may have failed: never wait on it
+        for state in ctx.states:
+            state.training_state = TrainingState.IDLE
+            if state.group is not None:
+                state.group.reset()
+        ctx.forward_order = []
+        ctx.post_forward_order = []
+        ctx.callback_queued = False
+
+    # -- tensor hooks ----------------------------------------------------------------------
+
+    def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return args, kwargs
+        hooked = _PostBackward.apply(self, *(leaves[i] for i in positions))
+        for i, t in zip(positions, hooked):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _hook_outputs(self, output: Any) -> Any:
+        leaves, _ = tree_flatten(output)
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward_hook)
+        return output
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward()
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    leaves, spec = tree_flatten(tree)
+    moved = [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in leaves]
+    return tree_unflatten(moved, spec)
+
+
+def state_of(module: nn.Module) -> FSDPState:
+    state = getattr(module, STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError(f"{type(module).__name__} is not managed by fully_shard")
+    return state
+

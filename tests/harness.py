@@ -1,0 +1,480 @@
+"""Multi-process test harness: run a function on N gloo ranks, get per-rank results.
+
+Usage from a test module::
+
+    from tests.harness import run_distributed
+
+    def _body(n):                      # module level, so it pickles by reference
+        import torch.distributed as dist
+        t = torch.full((n,), float(dist.get_rank()))
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def test_all_reduce():
+        results = run_distributed(_body, 2, 3)     # list indexed by rank
+        assert results == [[1.0] * 3, [1.0] * 3]
+
+Design:
+
+* One pool of worker processes per world size, started with the ``spawn``
+  start method and kept alive (module-level cache) so the ~2-3 s cost of
+  ``import torch`` plus process-group set-up is paid once per world size.
+* Each worker initialises the default process group once (gloo, TCPStore on
+  127.0.0.1 at a free port found by the parent) and then serves calls over a
+  ``multiprocessing`` Pipe.  Before every call the worker runs
+  ``torch.manual_seed(0)`` and resets ``torch.distributed`` state left by a
+  previous test (non-default groups are destroyed, a destroyed default group
+  is re-created, DeviceMesh context stack is cleared).
+* If any rank raises, dies, or the deadline passes, the call fails with a
+  :class:`DistributedTestFailure` (an ``AssertionError``) naming every failed
+  or hung rank with its full traceback, and the pool is discarded: the next
+  call on that world size starts a fresh one.  This keeps a failing test from
+  poisoning later tests with mismatched collectives.
+
+This module only imports the standard library at import time; torch is
+imported inside the workers after thread-count environment variables are set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = [
+    "DistributedTestFailure",
+    "run_distributed",
+    "shutdown_pools",
+]
+
+# Seconds given to the other ranks to report after the first rank failed.
+_ERROR_GRACE_S = 2.0
+# Seconds allowed for a pool to start (spawn + import torch + init_process_group).
+_STARTUP_TIMEOUT_S = 120.0
+# Collective / store timeout inside the workers.
+_PG_TIMEOUT = timedelta(seconds=60)
+# Attempts to start a pool (a free port found by bind(0) can be taken by
+# someone else before rank 0 binds it).
+_STARTUP_ATTEMPTS = 3
+
+
+class DistributedTestFailure(AssertionError):
+    """A ``run_distributed`` call failed on one or more ranks.
+
+    Attributes:
+        failures: rank -> formatted traceback (or death description) for the
+            ranks that raised or died.
+        unfinished: ranks that never reported (hung or killed after a failure).
+        results: rank -> result for the ranks that completed normally.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        failures: dict[int, str],
+        unfinished: list[int],
+        results: dict[int, Any],
+    ) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.unfinished = unfinished
+        self.results = results
+
+
+# --------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------
+
+_MSG_CALL = "call"
+_MSG_STOP = "stop"
+_MSG_READY = "ready"
+_MSG_OK = "ok"
+_MSG_ERR = "err"
+
+
+def _init_default_group(store: Any, generation: int, rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"harness_pg{generation}/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=_PG_TIMEOUT,
+    )
+
+
+def _reset_distributed_state(store: Any, state: dict[str, int], rank: int, world_size: int) -> None:
+    """Undo ``torch.distributed`` state that a previous test may have left behind."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        # The previous test destroyed the default group; every rank sees the
+        # same thing (a test that fails on some ranks discards the pool), so
+        # all ranks re-create it with the same store prefix.
+        state["generation"] += 1
+        _init_default_group(store, state["generation"], rank, world_size)
+        return
+    world = c10d._get_default_group()
+    for pg in list(c10d._world.pg_map):
+        if pg is world:
+            continue
+        try:
+            dist.destroy_process_group(pg)
+        except Exception:  # pragma: no cover - best effort
+            c10d._world.pg_map.pop(pg, None)
+    c10d._world.pg_coalesce_state.clear()
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        _mesh_resources.mesh_stack.clear()
+    except Exception:  # pragma: no cover - private API moved
+        pass
+
+
+def _flush_std_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # pragma: no cover
+            pass
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+    os.environ["FULLY_SHARD_TEST_WORKER"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    # Ctrl-C goes to the whole process group; let the parent decide what to do.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # pragma: no cover - already set
+            pass
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=(rank == 0),
+            timeout=_PG_TIMEOUT,
+            wait_for_workers=False,
+        )
+        state = {"generation": 0}
+        _init_default_group(store, state["generation"], rank, world_size)
+    except BaseException:
+        conn.send((_MSG_ERR, "worker start-up failed:\n" + traceback.format_exc()))
+        return
+    conn.send((_MSG_READY, os.getpid()))
+
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break  # parent went away
+        if msg[0] == _MSG_STOP:
+            break
+        try:
+            _reset_distributed_state(store, state, rank, world_size)
+            torch.manual_seed(0)
+            fn, args, kwargs = pickle.loads(msg[1])
+            result = fn(*args, **kwargs)
+            payload = pickle.dumps(result)
+        except BaseException:
+            reply: tuple[str, Any] = (_MSG_ERR, traceback.format_exc())
+        else:
+            reply = (_MSG_OK, payload)
+        _flush_std_streams()
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            break
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover
+        pass
+    _flush_std_streams()
+
+
+# --------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------
+
+
+def _find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self.pids: list[int] = []
+
+    def start(self) -> None:
+        last_error = ""
+        for _ in range(_STARTUP_ATTEMPTS):
+            error = self._try_start()
+            if error is None:
+                return
+            last_error = error
+            self.kill()
+            lowered = error.lower()
+            if "eaddrinuse" not in lowered and "address already in use" not in lowered:
+                break  # only a port race is worth retrying
+        raise RuntimeError(
+            f"tests.harness: could not start a pool of {self.world_size} gloo worker(s) "
+            f"(spawn start method, gloo backend); last error:\n{last_error}"
+        )
+
+    def _try_start(self) -> str | None:
+        ctx = multiprocessing.get_context("spawn")
+        port = _find_free_port()
+        self.procs, self.conns, self.pids = [], [], []
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, port, child_conn),
+                name=f"fully_shard-test-rank{rank}-of-{self.world_size}",
+                daemon=False,
+            )
+            proc.start()
+            child_conn.close()  # so that a dead worker shows up as EOF
+            self.procs.append(proc)
+            self.conns.append(parent_conn)
+        pids: dict[int, int] = {}
+        errors: list[str] = []
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while pending and not errors:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                errors.append(f"ranks {sorted(pending.values())} did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+                break
+            for conn in multiprocessing.connection.wait(list(pending), remaining):
+                rank = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    kind, value = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    errors.append(
+                        f"rank {rank}: worker died during start-up ({self._exit_desc(rank)}); its "
+                        "traceback is on stderr. The spawned worker re-imports the parent's "
+                        "__main__ module: a script must guard its code with "
+                        "`if __name__ == '__main__':`."
+                    )
+                    continue
+                if kind == _MSG_READY:
+                    pids[rank] = value
+                else:
+                    errors.append(f"rank {rank}: {value}")
+        if errors:
+            return "\n".join(errors)
+        self.pids = [pids[r] for r in range(self.world_size)]
+        return None
+
+    def _exit_desc(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(1.0)
+        code = proc.exitcode
+        if code is None:
+            return "process still alive but its pipe closed"
+        if code < 0:
+            try:
+                return f"killed by signal {signal.Signals(-code).name} (exit code {code})"
+            except ValueError:
+                return f"exit code {code}"
+        return f"exit code {code}"
+
+    def request_stop(self) -> None:
+        """Ask the workers to leave their serve loop and exit (non-blocking)."""
+        for conn in self.conns:
+            try:
+                conn.send((_MSG_STOP,))
+            except (EOFError, OSError):
+                pass
+
+    def join(self, deadline: float) -> None:
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 1.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        for conn in self.conns:
+            try:
+                conn.close()
+            except OSError:  # pragma: no cover
+                pass
+        for proc in self.procs:
+            try:
+                proc.close()
+            except ValueError:  # pragma: no cover - still running after SIGKILL?
+                pass
+        self.procs, self.conns = [], []
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def _get_pool(world_size: int) -> _Pool:
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _Pool(world_size)
+        pool.start()
+        _POOLS[world_size] = pool
+    return pool
+
+
+def _discard_pool(world_size: int) -> None:
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.kill()
+
+
+def shutdown_pools(grace: float = 2.0) -> None:
+    """Stop every cached worker pool (called at pytest session end and atexit).
+
+    Workers get ``grace`` seconds to exit cleanly, then they are killed.
+    """
+    pools = list(_POOLS.values())
+    _POOLS.clear()
+    for pool in pools:
+        pool.request_stop()
+    deadline = time.monotonic() + grace
+    for pool in pools:
+        pool.join(deadline)
+    for pool in pools:
+        pool.kill()
+
+
+atexit.register(shutdown_pools)
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``fn`` must be a module-level function (it is pickled by reference) and
+    its arguments and return value must be picklable.  Inside ``fn`` the
+    default process group is initialised (gloo, CPU), ``torch.manual_seed(0)``
+    has been called and ``FULLY_SHARD_TEST_WORKER=1`` is set.
+
+    Returns a list indexed by rank.  Raises :class:`DistributedTestFailure`
+    if any rank raises or dies, or if not all ranks finish within ``timeout``
+    seconds (a "hang"); the pool is then discarded and re-created by the next
+    call.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be >= 1, got {world_size}")
+    what = f"run_distributed({_describe(fn)}, world_size={world_size})"
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(
+            f"{what}: the function and its arguments must be picklable; define the "
+            f"body as a module-level function of the test module ({exc!r})"
+        ) from exc
+
+    pool = _get_pool(world_size)
+    failures: dict[int, str] = {}
+    results: dict[int, Any] = {}
+    pending: dict[Any, int] = {}
+    ok = False
+    try:
+        for rank, conn in enumerate(pool.conns):
+            try:
+                conn.send((_MSG_CALL, payload))
+                pending[conn] = rank
+            except (EOFError, OSError):
+                failures[rank] = f"worker pipe closed before the call ({pool._exit_desc(rank)})"
+
+        start = time.monotonic()
+        deadline = start + timeout
+        first_failure_at = 0.0
+        while pending:
+            now = time.monotonic()
+            limit = deadline if not failures else min(deadline, first_failure_at + _ERROR_GRACE_S)
+            if now >= limit:
+                break
+            for conn in multiprocessing.connection.wait(list(pending), limit - now):
+                rank = pending.pop(conn)
+                try:
+                    kind, value = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    kind, value = _MSG_ERR, f"worker process died ({pool._exit_desc(rank)})"
+                if kind == _MSG_OK:
+                    try:
+                        results[rank] = pickle.loads(value)
+                    except Exception:
+                        kind, value = _MSG_ERR, "result could not be unpickled in the parent:\n" + traceback.format_exc()
+                if kind == _MSG_ERR:
+                    if not failures:
+                        first_failure_at = time.monotonic()
+                    failures[rank] = value
+        ok = not failures and not pending
+    finally:
+        if not ok:
+            # Unknown collective state (or hung ranks): never reuse this pool.
+            _discard_pool(world_size)
+
+    if ok:
+        return [results[r] for r in range(world_size)]
+
+    unfinished = sorted(pending.values())
+    lines: list[str] = []
+    if failures:
+        ranks = sorted(failures)
+        lines.append(f"{what} failed on rank(s) {ranks}:")
+        for rank in ranks:
+            lines.append(f"\n----- rank {rank} -----\n{failures[rank].rstrip()}")
+        if unfinished:
+            lines.append(
+                f"\nrank(s) {unfinished} did not finish within {_ERROR_GRACE_S:.0f} s after the "
+                "failure (likely blocked in a collective); the worker pool was killed."
+            )
+    else:
+        elapsed = time.monotonic() - start
+        done = sorted(results)
+        lines.append(
+            f"{what} hang: rank(s) {unfinished} did not finish within timeout={timeout:g} s "
+            f"(waited {elapsed:.1f} s; rank(s) {done} finished). Likely a collective that "
+            "not every rank entered, or mismatched collective order. The worker pool was killed."
+        )
+    raise DistributedTestFailure("\n".join(lines), failures, unfinished, results)

@@ -1,0 +1,177 @@
+"""Tests of the multi-process test harness (tests/harness.py) itself."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import DistributedTestFailure, run_distributed
+
+# ---------------------------------------------------------------------------
+# Bodies run on the workers (module level so they pickle by reference).
+# ---------------------------------------------------------------------------
+
+
+def _rank_info(scale: float, *, offset: float = 0.0) -> dict[str, object]:
+    rank = dist.get_rank()
+    t = torch.tensor([scale * rank + offset])
+    dist.all_reduce(t)
+    return {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "sum": t.item(),
+        "pid": os.getpid(),
+        "worker_env": os.environ.get("FULLY_SHARD_TEST_WORKER"),
+        "threads": torch.get_num_threads(),
+        "rand": torch.rand(3).tolist(),
+    }
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _consume_rng_then_sample() -> list[float]:
+    torch.rand(100)  # advance the generator; the next call must start from seed 0 again
+    return torch.rand(2).tolist()
+
+
+def _leave_subgroup_behind() -> int:
+    group = dist.new_group(ranks=[0, 1])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def _count_groups() -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    t = torch.ones(1)
+    dist.all_reduce(t)  # default group still usable
+    return len(c10d._world.pg_map)
+
+
+def _destroy_default_group() -> bool:
+    dist.destroy_process_group()
+    return dist.is_initialized()
+
+
+def _raise_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    return dist.get_rank()
+
+
+def _hang_rank_0() -> int:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    return dist.get_rank()
+
+
+def _die_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return dist.get_rank()
+
+
+# ---------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------
+
+
+def test_results_come_back_in_rank_order() -> None:
+    results = run_distributed(_rank_info, 2, 10.0, offset=1.0)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 for r in results)
+    # all_reduce of (10 * rank + 1) over ranks 0, 1
+    assert [r["sum"] for r in results] == [12.0, 12.0]
+    assert all(r["worker_env"] == "1" for r in results)
+    assert all(r["threads"] == 1 for r in results)
+    assert results[0]["pid"] != results[1]["pid"] != os.getpid()
+    # torch.manual_seed(0) before the call, on every rank
+    torch.manual_seed(0)
+    expected = torch.rand(3).tolist()
+    assert [r["rand"] for r in results] == [expected, expected]
+
+
+def test_pool_is_reused_and_seed_is_reset_per_call() -> None:
+    pids_1 = run_distributed(_pid, 2)
+    samples_1 = run_distributed(_consume_rng_then_sample, 2)
+    samples_2 = run_distributed(_consume_rng_then_sample, 2)
+    pids_2 = run_distributed(_pid, 2)
+    assert pids_1 == pids_2
+    assert samples_1 == samples_2
+    assert samples_1[0] == samples_1[1]
+
+
+def test_distributed_state_is_reset_between_calls() -> None:
+    assert run_distributed(_leave_subgroup_behind, 2) == [2, 2]
+    # the subgroup left by the previous call was destroyed: only WORLD remains
+    assert run_distributed(_count_groups, 2) == [1, 1]
+    pids = run_distributed(_pid, 2)
+    assert run_distributed(_destroy_default_group, 2) == [False, False]
+    # the default group is re-created in the same workers
+    assert run_distributed(_count_groups, 2) == [1, 1]
+    assert run_distributed(_pid, 2) == pids
+
+
+def test_rank_exception_fails_with_rank_and_traceback_then_pool_recovers() -> None:
+    pids_before = run_distributed(_pid, 2)
+    with pytest.raises(DistributedTestFailure) as info:
+        run_distributed(_raise_on_rank_1, 2)
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "boom on rank 1" in message
+    assert "Traceback (most recent call last)" in message
+    assert "ValueError" in message
+    assert "_raise_on_rank_1" in message  # the frame of the failing body
+    assert "rank 0 -----" not in message  # rank 0 succeeded
+    assert isinstance(info.value, AssertionError)
+    assert info.value.failures.keys() == {1}
+    assert info.value.results == {0: 0}
+    # The failed pool was discarded; the next call gets a fresh, working one.
+    pids_after = run_distributed(_pid, 2)
+    assert set(pids_after).isdisjoint(pids_before)
+
+
+def test_hang_fails_in_bounded_time_naming_ranks_then_pool_recovers() -> None:
+    run_distributed(_pid, 2)  # make sure the pool is up so only the hang is timed
+    start = time.monotonic()
+    with pytest.raises(DistributedTestFailure) as info:
+        run_distributed(_hang_rank_0, 2, timeout=5.0)
+    elapsed = time.monotonic() - start
+    assert 5.0 <= elapsed < 15.0
+    message = str(info.value)
+    assert "hang" in message
+    assert "rank(s) [0] did not finish" in message
+    assert "timeout=5" in message
+    assert info.value.unfinished == [0]
+    assert info.value.results == {1: 1}
+    assert [r["sum"] for r in run_distributed(_rank_info, 2, 1.0)] == [1.0, 1.0]
+
+
+def test_dead_worker_is_reported_then_pool_recovers() -> None:
+    with pytest.raises(DistributedTestFailure) as info:
+        run_distributed(_die_on_rank_1, 2, timeout=30.0)
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "died" in message
+    assert "exit code 3" in message
+    assert run_distributed(_pid, 2)[0] != run_distributed(_pid, 2)[1]
+
+
+def test_unpicklable_function_is_rejected_in_the_parent() -> None:
+    with pytest.raises(TypeError, match="module-level function"):
+        run_distributed(lambda: 0, 2)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_other_world_sizes(world_size: int) -> None:
+    results = run_distributed(_rank_info, world_size, 1.0)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert [r["sum"] for r in results] == [float(sum(range(world_size)))] * world_size
+    assert run_distributed(_pid, world_size) == [r["pid"] for r in results]
