@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .group import ParamGroup
 from .mesh import mesh_info_for
 from .param import ShardedParam
-from .policy import MixedPrecisionPolicy, OffloadPolicy
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, FSDPState, state_of
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -64,8 +64,16 @@ def fully_shard(
             again in backward); ``False`` keeps them until after backward (no backward
             all-gather, more memory). ``None``: ``True`` except for the root.
         shard_placement_fn: not supported yet (raises ``NotImplementedError``).
-        mp_policy: not supported yet beyond the default.
-        offload_policy: not supported yet beyond the default.
+        mp_policy: dtypes for the all-gather and compute (``param_dtype``), the gradient
+            reduction (``reduce_dtype``) and outputs; see :class:`MixedPrecisionPolicy`.
+            The sharded parameters, their gradients and optimizer state keep their own
+            dtype. Parameters of different dtypes may share a group: one all-gather per
+            unsharded dtype and one reduce-scatter per reduce dtype.
+        offload_policy: :class:`CPUOffloadPolicy` keeps the sharded parameters, gradients
+            and optimizer state in host memory (``optimizer.step()`` runs on the CPU); they
+            are copied to the mesh device for the all-gather and back after the
+            reduce-scatter. On a CPU mesh everything already lives in host memory, so it
+            changes nothing there (and never pins memory without an accelerator).
         ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
 
     Returns:
@@ -83,10 +91,10 @@ def fully_shard(
     modules = _as_modules(module)
     if shard_placement_fn is not None:
         raise NotImplementedError("fully_shard: shard_placement_fn is not supported yet; leave it None (Shard(0))")
-    if mp_policy != MixedPrecisionPolicy():
-        raise NotImplementedError("fully_shard: mixed precision (mp_policy) is not supported yet")
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError("fully_shard: CPU offload (offload_policy) is not supported yet")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     if isinstance(reshard_after_forward, bool) or reshard_after_forward is None:
         pass
     elif isinstance(reshard_after_forward, int):
@@ -102,14 +110,18 @@ def fully_shard(
     label = ", ".join(type(m).__name__ for m in modules)
 
     found = _collect_params(modules, ignored)
-    sharded = [ShardedParam(p, fqn, uses, mesh_info, device) for p, (fqn, uses) in found.items()]
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    pin = offload and offload_policy.pin_memory  # type: ignore[attr-defined]
+    sharded = [
+        ShardedParam(p, fqn, uses, mesh_info, device, mp_policy, offload, pin) for p, (fqn, uses) in found.items()
+    ]
     _move_buffers(modules, device)
     for original, sp in zip(found, sharded):
         _SHARDED_ORIGINALS[original] = label
         _SHARDED_PARAMS[sp.sharded_param] = label
         sp.register(unsharded=False)
     group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
-    state = FSDPState(modules, group, device, reshard_after_forward)
+    state = FSDPState(modules, group, device, reshard_after_forward, mp_policy)
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))

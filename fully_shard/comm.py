@@ -55,7 +55,7 @@ class ReduceScatterWork:
         self.input = None
         if self.all_reduce_group is not None:
             dist.all_reduce(self.output, op=self.all_reduce_op, group=self.all_reduce_group)
-        if self.post_divide is not None:
+        if self.post_divide is not None and self.post_divide != 1:
             self.output.div_(self.post_divide)
         return self.output
 
@@ -107,18 +107,17 @@ def divide_factors(
 ) -> tuple[dist.ReduceOp.RedOpType, float | None, float | None]:
     """How to average: (reduce op, pre-divide, post-divide).
 
-    fp32/bf16 use ``ReduceOp.AVG``. Narrow dtypes (fp16) divide before and after the sum
-    so neither the sum nor the pre-divided values leave their range. A custom factor is
-    applied as a pre-divide and a sum (gloo has no ``PREMUL_SUM``).
+    fp32/bf16 use ``ReduceOp.AVG``; a custom factor divides first and sums (gloo has no
+    ``PREMUL_SUM``). Narrow dtypes (fp16) split the division around the sum, a power of two
+    near the square root first, so neither the summands nor the sum leave their range.
     """
-    if factor is not None:
-        return dist.ReduceOp.SUM, float(factor), None
-    if data_parallel_size == 1:
-        return dist.ReduceOp.SUM, None, None
+    if factor is None and dtype in _AVG_SAFE_DTYPES:
+        return (dist.ReduceOp.AVG if data_parallel_size > 1 else dist.ReduceOp.SUM), None, None
+    total = float(data_parallel_size if factor is None else factor)
     if dtype in _AVG_SAFE_DTYPES:
-        return dist.ReduceOp.AVG, None, None
-    root = math.sqrt(data_parallel_size)
-    return dist.ReduceOp.SUM, root, data_parallel_size / root
+        return dist.ReduceOp.SUM, total, None
+    pre = float(1 << max(0, math.ceil(math.log2(math.sqrt(total))))) if total > 1 else 1.0
+    return dist.ReduceOp.SUM, pre, total / pre
 
 
 def reduce_scatter(
@@ -136,7 +135,7 @@ def reduce_scatter(
     grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
     # (world_size, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded
     inp = torch._chunk_cat(grads, dim=0, num_chunks=world_size)
-    if pre is not None:
+    if pre is not None and pre != 1:
         inp.div_(pre)
     out = torch.empty(inp.shape[1], dtype=dtype, device=inp.device)
     if world_size == 1:

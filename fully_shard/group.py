@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Callable
 
 import torch
 
@@ -33,7 +34,9 @@ class ParamGroup:
         self.device = device
         self.label = label  # fully-qualified name(s) of the module(s), for messages and traces
         self.state = GroupState.SHARDED
-        self._all_gather: comm.AllGatherWork | None = None
+        # one all-gather per unsharded dtype: one in all but mixed-dtype groups
+        self._gather_buckets = _buckets(params, lambda p: p.unsharded_dtype)
+        self._all_gathers: list[comm.AllGatherWork] = []  # in flight while UNSHARDING
         # user controls (FSDPModule setters)
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -47,15 +50,18 @@ class ParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (no-op unless sharded); wait for it unless ``async_op``."""
         if self.state is GroupState.SHARDED:
-            self._all_gather = comm.all_gather(
-                [p.local_shard for p in self.params],
-                [p.shard_numel for p in self.params],
-                self.mesh_info.shard_group,
-                self.mesh_info.shard_size,
-                self.params[0].dtype,
-                self.device,
-                async_op=True,
-            )
+            self._all_gathers = [
+                comm.all_gather(
+                    [p.local_shard for p in bucket],
+                    [p.shard_numel for p in bucket],
+                    self.mesh_info.shard_group,
+                    self.mesh_info.shard_size,
+                    bucket[0].unsharded_dtype,
+                    self.device,
+                    async_op=True,
+                )
+                for bucket in self._gather_buckets
+            ]
             self.state = GroupState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
@@ -64,12 +70,10 @@ class ParamGroup:
         """Finish an issued all-gather: copy out and point the modules at full parameters."""
         if self.state is not GroupState.UNSHARDING:
             return
-        assert self._all_gather is not None
-        output = self._all_gather.wait()
-        self._all_gather = None
-        dests = [p.alloc_unsharded() for p in self.params]
-        comm.copy_out(output, self.mesh_info.shard_size, [p.shard_numel for p in self.params], dests)
-        del output
+        for bucket, work in zip(self._gather_buckets, self._all_gathers):
+            dests = [p.alloc_unsharded() for p in bucket]
+            comm.copy_out(work.wait(), self.mesh_info.shard_size, [p.shard_numel for p in bucket], dests)
+        self._all_gathers = []
         for p in self.params:
             p.register(unsharded=True)
         self.state = GroupState.UNSHARDED
@@ -77,9 +81,9 @@ class ParamGroup:
     def reshard(self) -> None:
         """Free the full parameters and point the modules back at the sharded ones."""
         if self.state is GroupState.UNSHARDING:
-            assert self._all_gather is not None
-            self._all_gather.wait()  # the collective must complete before its buffers go
-            self._all_gather = None
+            for work in self._all_gathers:
+                work.wait()  # the collective must complete before its buffers go
+            self._all_gathers = []
         elif self.state is GroupState.UNSHARDED:
             for p in self.params:
                 p.free_unsharded()
@@ -89,7 +93,7 @@ class ParamGroup:
 
     def reset(self) -> None:
         """Back to SHARDED whatever happened, dropping in-flight buffers and partial grads."""
-        self._all_gather = None
+        self._all_gathers = []
         if self.state is GroupState.UNSHARDED:
             for p in self.params:
                 p.free_unsharded()
@@ -116,7 +120,7 @@ class ParamGroup:
         """
         self.needs_post_backward = False
         with_grad: list[ShardedParam] = []
-        grads: list[torch.Tensor] = []
+        grads: dict[int, torch.Tensor] = {}
         for p in self.params:
             grad = p.unsharded_grad
             if grad is not None:
@@ -128,43 +132,53 @@ class ParamGroup:
                 grad = p.accumulated_grad
             if grad is None:
                 continue
+            if grad.dtype != p.reduce_dtype:
+                grad = grad.to(p.reduce_dtype)
             if not self.requires_gradient_sync:
-                p.accumulated_grad = grad  # kept unsharded until a backward with sync
+                p.accumulated_grad = grad  # kept unsharded, in reduce dtype, until a synced backward
                 continue
             p.accumulated_grad = None
             with_grad.append(p)
-            grads.append(grad)
+            grads[id(p)] = grad
         if not with_grad:
             return None
         info = self.mesh_info
-        work = comm.reduce_scatter(
-            grads,
-            info.shard_group,
-            info.shard_size,
-            grads[0].dtype,
-            self.gradient_divide_factor,
-            info.replicate_group if self.requires_all_reduce else None,
-            async_op=True,
-        )
-        return PendingReduce(work, with_grad)
+        reductions = []
+        for bucket in _buckets(with_grad, lambda p: p.reduce_dtype):  # one per reduce dtype
+            work = comm.reduce_scatter(
+                [grads[id(p)] for p in bucket],
+                info.shard_group,
+                info.shard_size,
+                bucket[0].reduce_dtype,
+                self.gradient_divide_factor,
+                info.replicate_group if self.requires_all_reduce else None,
+                async_op=True,
+            )
+            reductions.append((work, bucket))
+        return PendingReduce(reductions)
+
+
+def _buckets(params: list[ShardedParam], key: Callable[[ShardedParam], torch.dtype]) -> list[list[ShardedParam]]:
+    """Split ``params`` by ``key``, keeping their order (one bucket when all agree)."""
+    buckets: dict[torch.dtype, list[ShardedParam]] = {}
+    for p in params:
+        buckets.setdefault(key(p), []).append(p)
+    return list(buckets.values())
 
 
 @dataclass
 class PendingReduce:
     """A group's gradient reduction in flight and the parameters it belongs to."""
 
-    work: comm.ReduceScatterWork
-    params: list[ShardedParam]
+    reductions: list[tuple[comm.ReduceScatterWork, list[ShardedParam]]]
 
     def finish(self) -> None:
-        """Wait for the reduction and add each rank's rows to the sharded gradients."""
-        output = self.work.wait()  # 1-D, the packed padded shards of self.params
-        offset = 0
-        for p in self.params:
-            flat = output[offset : offset + p.shard_numel]
-            offset += p.shard_numel
-            local = flat.view(p.chunk_rows, *p.size[1:])[: p.local_rows]
-            if local.dtype != p.dtype:
-                local = local.to(p.dtype)
-            p.accumulate_sharded_grad(local)
+        """Wait for the reductions and add each rank's rows to the sharded gradients."""
+        for work, params in self.reductions:
+            output = work.wait()  # 1-D, the packed padded shards of params
+            offset = 0
+            for p in params:
+                flat = output[offset : offset + p.shard_numel]
+                offset += p.shard_numel
+                p.accumulate_sharded_grad(flat.view(p.chunk_rows, *p.size[1:])[: p.local_rows])
 

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .mesh import MeshInfo
+from .policy import MixedPrecisionPolicy
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
@@ -36,6 +37,9 @@ class ShardedParam:
         uses: list[tuple[nn.Module, str]],
         mesh_info: MeshInfo,
         device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        offload: bool,
+        pin_memory: bool,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -48,7 +52,12 @@ class ShardedParam:
         self.mesh_info = mesh_info
         self.device = device
         self.size = param.shape
-        self.dtype = param.dtype
+        self.dtype = param.dtype  # of the sharded parameter, its gradient and optimizer state
+        cast = mp_policy.param_dtype if self.dtype.is_floating_point else None
+        self.unsharded_dtype = cast or self.dtype  # all-gather and compute
+        self.reduce_dtype = mp_policy.reduce_dtype or self.unsharded_dtype  # reduce-scatter
+        # offloading keeps the sharded parameter (and so its grad and optimizer state) on the CPU
+        self.shard_device = torch.device("cpu") if offload else device
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
         rows = self.size[0]
         self.chunk_rows = math.ceil(rows / world)
@@ -59,8 +68,9 @@ class ShardedParam:
         self.padded_shape = (world * self.chunk_rows, *self.size[1:])
 
         src = param.detach()[start : start + self.local_rows]
-        target = torch.device("meta") if param.is_meta else device
-        local = torch.empty(src.shape, dtype=self.dtype, device=target)  # this rank's rows
+        target = torch.device("meta") if param.is_meta else self.shard_device
+        pin = pin_memory and offload and target.type == "cpu" and torch.accelerator.is_available()
+        local = torch.empty(src.shape, dtype=self.dtype, device=target, pin_memory=pin)  # this rank's rows
         if not param.is_meta:
             local.copy_(src)
         self._spec = DTensorSpec(
@@ -99,9 +109,9 @@ class ShardedParam:
 
     def alloc_unsharded(self) -> torch.Tensor:
         """Give the unsharded buffer its storage back; returns the flat padded buffer."""
-        if self._padded_unsharded is None or self._padded_unsharded.dtype != self.dtype:
+        if self._padded_unsharded is None:
             numel = self.shard_numel * self.mesh_info.shard_size
-            self._padded_unsharded = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self._padded_unsharded = torch.empty(numel, dtype=self.unsharded_dtype, device=self.device)
             self.unsharded_param = nn.Parameter(
                 self._padded_unsharded.view(self.padded_shape)[: self.size[0]],
                 requires_grad=self.sharded_param.requires_grad,
@@ -134,6 +144,7 @@ class ShardedParam:
 
     def accumulate_sharded_grad(self, local: torch.Tensor) -> None:
         """Add this rank's reduced rows to the sharded gradient (or set it)."""
+        local = local.to(device=self.shard_device, dtype=self.dtype)
         grad = self.sharded_param.grad
         if grad is None:
             self.sharded_param.grad = self.to_sharded_dtensor(local)

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import streams
 from .group import ParamGroup, PendingReduce
+from .policy import MixedPrecisionPolicy
 
 STATE_ATTR = "_fully_shard_state"
 
@@ -81,8 +82,10 @@ class FSDPState:
         group: ParamGroup | None,
         device: torch.device,
         reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
+        self.mp_policy = mp_policy
         self.group = group
         self.device = device
         self.reshard_after_forward = reshard_after_forward  # None: resolved at lazy init
@@ -174,6 +177,9 @@ class FSDPState:
             if self.is_root:
                 args, kwargs = self._root_pre_forward(args, kwargs)
             self.training_state = TrainingState.FORWARD
+            mp = self.mp_policy
+            if mp.cast_forward_inputs and mp.param_dtype is not None:
+                args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
             grad_enabled = torch.is_grad_enabled()
             if self.group is not None:
                 self.group.unshard(async_op=True)
@@ -193,6 +199,8 @@ class FSDPState:
             if self.group is not None and self.reshard_after_forward:
                 self.group.reshard()
             self.training_state = TrainingState.IDLE
+            if self.mp_policy.output_dtype is not None:
+                output = _cast_floating(output, self.mp_policy.output_dtype)
             if torch.is_grad_enabled():
                 self._post_forward_index = len(ctx.post_forward_order)
                 ctx.post_forward_order.append(self)
@@ -348,6 +356,12 @@ class FSDPState:
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.pre_backward()
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    leaves, spec = tree_flatten(tree)
+    cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
+    return tree_unflatten(cast, spec)
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

@@ -1,0 +1,244 @@
+"""Mixed precision, mixed original dtypes in one group, and CPU offload.
+
+Oracles: torch's FSDP2 with the same policy on the same inputs (bitwise at world size 2:
+the same casts, the same AVG or pre/post-divided SUM reductions), and the unsharded model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from tests.collectives import CollectiveRecorder
+from tests.harness import run_distributed
+from tests.models import Transformer, batch, loss_fn
+
+BF16_FP32 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+FP16 = dict(param_dtype=torch.float16)
+BF16_OUT_FP32 = dict(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+
+
+def _shard(model: nn.Module, shard_fn, mesh, mp_policy=None, **kw) -> None:
+    if mp_policy is not None:
+        # output_dtype on the root only: a block returning fp32 would meet bf16 weights
+        block_policy = type(mp_policy)(mp_policy.param_dtype, mp_policy.reduce_dtype, None, mp_policy.cast_forward_inputs)
+        kw_block, kw_root = dict(kw, mp_policy=block_policy), dict(kw, mp_policy=mp_policy)
+    else:
+        kw_block = kw_root = kw
+    for block in model.layers:
+        shard_fn(block, mesh=mesh, **kw_block)
+    shard_fn(model, mesh=mesh, **kw_root)
+
+
+def _mp_vs_torch(policy: dict, steps: int) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ours = Transformer()
+    theirs = copy.deepcopy(ours)
+    _shard(ours, fully_shard, mesh, mp_policy=MixedPrecisionPolicy(**policy))
+    _shard(theirs, torch_fully_shard, mesh, mp_policy=TorchMixedPrecisionPolicy(**policy))
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    out_dtype = policy.get("output_dtype") or policy["param_dtype"]
+    for step in range(steps):
+        x = batch(step, dist.get_rank())
+        out, tout = ours(x), theirs(x)
+        assert out.dtype == out_dtype == tout.dtype, (out.dtype, tout.dtype)
+        loss, tloss = loss_fn(out, x), loss_fn(tout, x)
+        loss.backward()
+        tloss.backward()
+        for p in ours.parameters():  # sharded params and grads keep the original dtype
+            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, p.grad.dtype
+            assert isinstance(p.grad, DTensor)
+        opt.step()
+        topt.step()
+        opt.zero_grad()
+        topt.zero_grad()
+        # the issue asks for 1e-3 relative; at world size 2 we reach bitwise
+        torch.testing.assert_close(loss, tloss, rtol=0, atol=0)
+    for (name, p), tp in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][key].dtype == torch.float32
+
+
+@pytest.mark.parametrize("policy", [BF16_FP32, FP16, BF16_OUT_FP32], ids=["bf16-fp32reduce", "fp16", "bf16-out-fp32"])
+def test_mixed_precision_matches_torch_fsdp2(policy: dict) -> None:
+    run_distributed(_mp_vs_torch, 2, policy, 4)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen_dtypes: list[torch.dtype] = []
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _no_input_cast(shard_fn, policy_cls) -> list:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = _Mlp()
+    shard_fn(model.b, mesh=mesh, mp_policy=policy_cls(param_dtype=torch.bfloat16, cast_forward_inputs=False))
+    shard_fn(model, mesh=mesh, mp_policy=policy_cls(param_dtype=torch.bfloat16))
+    seen = []
+    model.b.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).float().sum().backward()
+    return [seen, [p.grad.full_tensor() for p in model.parameters()]]
+
+
+def test_cast_forward_inputs_off_matches_torch() -> None:
+    ours = run_distributed(_no_input_cast_ours, 2)
+    theirs = run_distributed(_no_input_cast_torch, 2)
+    assert ours[0][0] == [torch.bfloat16]  # the root cast x; block b did not cast again
+    for a, b in zip(ours[0][1], theirs[0][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _no_input_cast_ours() -> list:
+    return _no_input_cast(fully_shard, MixedPrecisionPolicy)
+
+
+def _no_input_cast_torch() -> list:
+    return _no_input_cast(torch_fully_shard, TorchMixedPrecisionPolicy)
+
+
+def _fp32_input_reaches_uncast_module() -> torch.dtype:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _Mlp().to(torch.bfloat16)
+    fully_shard(model.a, mesh=mesh, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
+    seen = []
+    model.a.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    try:
+        model.a(torch.randn(3, 8))
+    except RuntimeError:
+        pass  # fp32 input against bf16 weights: the point is that it was not cast
+    return seen[0]
+
+
+def test_cast_forward_inputs_off_leaves_inputs() -> None:
+    assert run_distributed(_fp32_input_reaches_uncast_module, 2) == [torch.float32] * 2
+
+
+def _accumulate_in_reduce_dtype() -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ours = Transformer()
+    theirs = copy.deepcopy(ours)
+    _shard(ours, fully_shard, mesh, mp_policy=MixedPrecisionPolicy(**BF16_FP32))
+    _shard(theirs, torch_fully_shard, mesh, mp_policy=TorchMixedPrecisionPolicy(**BF16_FP32))
+    for model in (ours, theirs):
+        for micro in range(3):
+            model.set_requires_gradient_sync(micro == 2)
+            x = batch(micro, dist.get_rank())
+            loss_fn(model(x), x).backward()
+            if micro == 0 and model is ours:
+                group = ours.layers[0]._fully_shard_state.group
+                kept = [p.accumulated_grad for p in group.params]
+                assert all(g is not None and g.dtype == torch.float32 for g in kept), [g.dtype for g in kept]
+    for (name, p), tp in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), tp.grad.full_tensor(), rtol=0, atol=0, msg=name)
+
+
+def test_gradient_accumulation_keeps_reduce_dtype() -> None:
+    run_distributed(_accumulate_in_reduce_dtype, 2)
+
+
+class _LoraLinear(nn.Module):
+    """A bf16 base weight beside fp32 adapters: torch's FSDP2 rejects this as one group."""
+
+    def __init__(self, dim: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim, bias=False).to(torch.bfloat16)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x.to(torch.bfloat16)).float() + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class _LoraModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_LoraLinear(12, 3) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _mixed_dtype_group(steps: int) -> dict:
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(0)
+    ref = _LoraModel()
+    model = copy.deepcopy(ref)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    counts = {}
+    for step in range(steps):
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + rank))
+        ref(x).square().sum().backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with CollectiveRecorder() as rec:
+            loss = model(x).square().sum()
+            loss.backward()
+        counts = rec.counts()
+        opt.step()
+        opt.zero_grad()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        assert p.dtype == p_ref.dtype, name
+        # gloo rounds a bf16 reduce-scatter and a bf16 all-reduce differently (one bf16 ulp);
+        # the fp32 adapters then differ by what that ulp does to their gradients
+        bf16 = p.dtype == torch.bfloat16
+        tol = dict(rtol=1.6e-2, atol=4e-3) if bf16 else dict(rtol=1e-3, atol=2e-4)
+        torch.testing.assert_close(p.full_tensor(), p_ref, **tol, msg=name)
+    return counts
+
+
+def test_mixed_original_dtypes_in_one_group() -> None:
+    counts = run_distributed(_mixed_dtype_group, 2, 3)[0]
+    # 2 groups x (forward + backward all-gather) x 2 dtypes; 2 groups x 2 dtypes reduce-scatters
+    assert counts == {"all_gather": 8, "reduce_scatter": 4}, counts
+
+
+def _offload(pin_memory: bool) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plain = Transformer()
+    offloaded = copy.deepcopy(plain)
+    _shard(plain, fully_shard, mesh)
+    _shard(offloaded, fully_shard, mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, offloaded)]
+    for step in range(3):
+        x = batch(step, dist.get_rank())
+        for model, opt in zip((plain, offloaded), opts):
+            loss_fn(model(x), x).backward()
+            opt.step()
+    for p, q in zip(plain.parameters(), offloaded.parameters()):
+        assert q.to_local().device.type == "cpu" and q.grad.to_local().device.type == "cpu"
+        assert opts[1].state[q]["exp_avg"].device.type == "cpu"
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_cpu_offload_on_cpu_mesh(pin_memory: bool) -> None:
+    # torch 2.13's FSDP2 crashes here with pin_memory=True and no accelerator
+    run_distributed(_offload, 2, pin_memory)
