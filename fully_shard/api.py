@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .group import ParamGroup
-from .mesh import mesh_info_for
+from .mesh import mesh_info_for, post_forward_info
 from .param import ShardedParam
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, FSDPState, state_of
@@ -58,11 +58,19 @@ def fully_shard(
 
     Args:
         module: a module, or a list of modules that form one group together.
-        mesh: a 1-D :class:`DeviceMesh` of the data-parallel ranks. Default: a 1-D mesh over
-            the default process group on the current accelerator (CPU if none).
+        mesh: the data-parallel :class:`DeviceMesh`. 1-D: FSDP, parameters ``Shard(0)``
+            over it. 2-D, read as (replicate, shard): HSDP, parameters
+            ``(Replicate(), Shard(0))``; gradients are reduce-scattered within the shard dim
+            and all-reduced across the replicate dim. A ``(N, 1)`` mesh is plain
+            replication (DDP through this API: one all-reduce per group). Default: a 1-D
+            mesh over the default process group on the current accelerator (CPU if none).
         reshard_after_forward: ``True`` frees the full parameters after forward (gathered
             again in backward); ``False`` keeps them until after backward (no backward
-            all-gather, more memory). ``None``: ``True`` except for the root.
+            all-gather, more memory). An int ``k`` (a divisor of the shard size other than
+            1 and itself, e.g. ranks per node) keeps each parameter sharded over ``k``
+            consecutive ranks after forward, so the backward all-gather runs within them at
+            the cost of ``k/N`` of the parameters more memory. ``None``: ``True`` except for
+            the root.
         shard_placement_fn: not supported yet (raises ``NotImplementedError``).
         mp_policy: dtypes for the all-gather and compute (``param_dtype``), the gradient
             reduction (``reduce_dtype``) and outputs; see :class:`MixedPrecisionPolicy`.
@@ -95,16 +103,12 @@ def fully_shard(
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
-    if isinstance(reshard_after_forward, bool) or reshard_after_forward is None:
-        pass
-    elif isinstance(reshard_after_forward, int):
-        raise NotImplementedError(
-            "fully_shard: reshard_after_forward as an int (reshard to a smaller group) is not "
-            "supported yet; pass True, False or None"
-        )
-    else:
-        raise ValueError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
+    if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
+        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
     mesh_info = mesh_info_for(mesh)
+    post_forward = None
+    if type(reshard_after_forward) is int:
+        post_forward = post_forward_info(mesh_info, reshard_after_forward)
     device = mesh_info.device
     ignored = set(ignored_params or ())
     label = ", ".join(type(m).__name__ for m in modules)
@@ -120,7 +124,7 @@ def fully_shard(
         _SHARDED_ORIGINALS[original] = label
         _SHARDED_PARAMS[sp.sharded_param] = label
         sp.register(unsharded=False)
-    group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
+    group = ParamGroup(sharded, mesh_info, device, label, post_forward) if sharded else None
     state = FSDPState(modules, group, device, reshard_after_forward, mp_policy)
     for m in modules:
         m.__dict__[STATE_ATTR] = state

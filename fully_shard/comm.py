@@ -29,6 +29,7 @@ class AllGatherWork:
     work: dist.Work | None
     input: torch.Tensor  # 1-D, this rank's packed shards
     output: torch.Tensor  # 1-D, world_size * input.numel(), rank-major
+    world_size: int
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -39,25 +40,25 @@ class AllGatherWork:
 
 @dataclass
 class ReduceScatterWork:
-    """A reduce-scatter (and optional all-reduce) in flight, holding its buffers."""
+    """A reduce-scatter in flight, holding its buffers until ``wait`` returns."""
 
     work: dist.Work | None
     input: torch.Tensor | None  # (world_size, shard_numel) chunk-concatenated gradients
-    output: torch.Tensor  # 1-D, this rank's reduced flat shard
-    post_divide: float | None
-    all_reduce_group: dist.ProcessGroup | None = None  # HSDP: replicas to all-reduce over
-    all_reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    output: torch.Tensor  # 1-D, this rank's reduced (and pre-divided) flat shard
+    post_divide: float | None  # applied once every reduction, all-reduce included, is done
+    all_reduce_op: dist.ReduceOp.RedOpType  # HSDP: the op for the all-reduce across replicas
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
         self.input = None
-        if self.all_reduce_group is not None:
-            dist.all_reduce(self.output, op=self.all_reduce_op, group=self.all_reduce_group)
-        if self.post_divide is not None and self.post_divide != 1:
-            self.output.div_(self.post_divide)
         return self.output
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:
+    """HSDP: reduce the reduce-scatter output across replicas, in place."""
+    dist.all_reduce(tensor, op=op, group=group)
 
 
 def all_gather(
@@ -84,9 +85,9 @@ def all_gather(
     out = torch.empty(total * world_size, dtype=dtype, device=device)
     if world_size == 1:
         out.copy_(inp)
-        return AllGatherWork(None, inp, out)
+        return AllGatherWork(None, inp, out, world_size)
     work = getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)
-    return AllGatherWork(work, inp, out)
+    return AllGatherWork(work, inp, out, world_size)
 
 
 def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
@@ -124,13 +125,17 @@ def reduce_scatter(
     grads: list[torch.Tensor],
     group: dist.ProcessGroup,
     world_size: int,
+    replicate_size: int,
     dtype: torch.dtype,
     divide_factor: float | None,
-    all_reduce_group: dist.ProcessGroup | None,
     async_op: bool,
 ) -> ReduceScatterWork:
-    """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard."""
-    replicate_size = all_reduce_group.size() if all_reduce_group is not None else 1
+    """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard.
+
+    The division covers all ``world_size * replicate_size`` data-parallel ranks: with HSDP
+    the caller all-reduces the output across replicas (``all_reduce_op``) and then applies
+    ``post_divide``.
+    """
     op, pre, post = divide_factors(dtype, world_size * replicate_size, divide_factor)
     grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
     # (world_size, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded
@@ -143,4 +148,4 @@ def reduce_scatter(
         work = None
     else:
         work = getattr(dist, _REDUCE_SCATTER)(out, inp.view(-1), op=op, group=group, async_op=async_op)
-    return ReduceScatterWork(work, inp, out, post, all_reduce_group, op)
+    return ReduceScatterWork(work, inp, out, post, op)

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from . import comm
-from .mesh import MeshInfo
+from .mesh import MeshInfo, PostForwardInfo
 from .param import ShardedParam
 
 
@@ -17,6 +17,7 @@ class GroupState(Enum):
     """Where a group's parameters are, and what memory they hold."""
 
     SHARDED = auto()  # modules hold the sharded DTensor parameters; no unsharded storage
+    POST_FORWARD = auto()  # as SHARDED, plus each rank's 1/k slice for a k-rank backward all-gather
     UNSHARDING = auto()  # all-gather issued, not yet waited: its flat output is in flight
     UNSHARDED = auto()  # modules hold the full parameters; unsharded storage allocated
 
@@ -24,19 +25,29 @@ class GroupState(Enum):
 class ParamGroup:
     """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call.
 
-    One all-gather rebuilds every parameter of the group; one reduce-scatter leaves each
-    rank with the averaged gradient of its own rows.
+    One all-gather rebuilds every parameter of the group (one per unsharded dtype when
+    dtypes are mixed); one reduce-scatter (per reduce dtype) leaves each rank with the
+    averaged gradient of its own rows, all-reduced across replicas under HSDP.
     """
 
-    def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, device: torch.device, label: str) -> None:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        mesh_info: MeshInfo,
+        device: torch.device,
+        label: str,
+        post_forward: PostForwardInfo | None,
+    ) -> None:
         self.params = params
         self.mesh_info = mesh_info
         self.device = device
-        self.label = label  # fully-qualified name(s) of the module(s), for messages and traces
+        self.label = label  # the module(s) of the fully_shard call, for messages and traces
+        self.post_forward = post_forward  # reshard_after_forward=k: the k-rank group
         self.state = GroupState.SHARDED
-        # one all-gather per unsharded dtype: one in all but mixed-dtype groups
         self._gather_buckets = _buckets(params, lambda p: p.unsharded_dtype)
         self._all_gathers: list[comm.AllGatherWork] = []  # in flight while UNSHARDING
+        # HSDP with the all-reduce off: reduce-scatter outputs awaiting the all-reduce
+        self._partials: dict[tuple[int, ...], torch.Tensor] = {}
         # user controls (FSDPModule setters)
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -50,18 +61,37 @@ class ParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (no-op unless sharded); wait for it unless ``async_op``."""
         if self.state is GroupState.SHARDED:
+            info = self.mesh_info
             self._all_gathers = [
                 comm.all_gather(
                     [p.local_shard for p in bucket],
                     [p.shard_numel for p in bucket],
-                    self.mesh_info.shard_group,
-                    self.mesh_info.shard_size,
+                    info.shard_group,
+                    info.shard_size,
                     bucket[0].unsharded_dtype,
                     self.device,
                     async_op=True,
                 )
                 for bucket in self._gather_buckets
             ]
+            self.state = GroupState.UNSHARDING
+        elif self.state is GroupState.POST_FORWARD:
+            pf = self.post_forward
+            assert pf is not None
+            self._all_gathers = [
+                comm.all_gather(
+                    [p.post_forward_slice for p in bucket],  # type: ignore[misc]
+                    [p.post_forward_numel(pf.size) for p in bucket],
+                    pf.group,
+                    pf.size,
+                    bucket[0].unsharded_dtype,
+                    self.device,
+                    async_op=True,
+                )
+                for bucket in self._gather_buckets
+            ]
+            for p in self.params:
+                p.post_forward_slice = None
             self.state = GroupState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
@@ -71,34 +101,50 @@ class ParamGroup:
         if self.state is not GroupState.UNSHARDING:
             return
         for bucket, work in zip(self._gather_buckets, self._all_gathers):
+            output = work.wait()
+            world = work.world_size
             dests = [p.alloc_unsharded() for p in bucket]
-            comm.copy_out(work.wait(), self.mesh_info.shard_size, [p.shard_numel for p in bucket], dests)
+            comm.copy_out(output, world, [p.unsharded_numel // world for p in bucket], dests)
         self._all_gathers = []
         for p in self.params:
             p.register(unsharded=True)
         self.state = GroupState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Free the full parameters and point the modules back at the sharded ones."""
+    def reshard(self, post_forward: bool = False) -> None:
+        """Free the full parameters and point the modules back at the sharded ones.
+
+        With ``post_forward`` and a k-rank post-forward group, each rank first keeps its
+        1/k slice so backward can all-gather within the k ranks.
+        """
         if self.state is GroupState.UNSHARDING:
             for work in self._all_gathers:
                 work.wait()  # the collective must complete before its buffers go
             self._all_gathers = []
-        elif self.state is GroupState.UNSHARDED:
+            self.state = GroupState.UNSHARDED
+        keep = post_forward and self.post_forward is not None and self.state is GroupState.UNSHARDED
+        if self.state is GroupState.UNSHARDED:
             for p in self.params:
+                if keep:
+                    assert self.post_forward is not None
+                    p.keep_post_forward_slice(self.post_forward.size, self.post_forward.rank)
                 p.free_unsharded()
+        if not keep:
+            for p in self.params:
+                p.post_forward_slice = None
         for p in self.params:
             p.register(unsharded=False)
-        self.state = GroupState.SHARDED
+        self.state = GroupState.POST_FORWARD if keep else GroupState.SHARDED
 
     def reset(self) -> None:
         """Back to SHARDED whatever happened, dropping in-flight buffers and partial grads."""
         self._all_gathers = []
+        self._partials = {}
         if self.state is GroupState.UNSHARDED:
             for p in self.params:
                 p.free_unsharded()
         for p in self.params:
             p.register(unsharded=False)
+            p.post_forward_slice = None
             p.accumulated_grad = None
             if p.unsharded_param is not None:
                 p.unsharded_param.grad = None
@@ -107,14 +153,15 @@ class ParamGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        return self.state is not GroupState.SHARDED
+        """Whether full parameters are (or are being) materialised."""
+        return self.state in (GroupState.UNSHARDING, GroupState.UNSHARDED)
 
     # -- gradients -----------------------------------------------------------------
 
     def reduce_grads(self) -> PendingReduce | None:
         """Reduce-scatter this group's gradients, or accumulate them while sync is off.
 
-        Returns the reduction in flight; its ``finish`` assigns the result. Parameters
+        Returns the reduction in flight; ``finish_reduce`` assigns its result. Parameters
         whose gradient is None (unused this iteration) take no part, as in torch's FSDP2:
         which parameters are used must then be the same on every rank.
         """
@@ -149,13 +196,36 @@ class ParamGroup:
                 [grads[id(p)] for p in bucket],
                 info.shard_group,
                 info.shard_size,
+                info.replicate_size,
                 bucket[0].reduce_dtype,
                 self.gradient_divide_factor,
-                info.replicate_group if self.requires_all_reduce else None,
                 async_op=True,
             )
             reductions.append((work, bucket))
-        return PendingReduce(reductions)
+        all_reduce = info.replicate_group is not None and self.requires_all_reduce
+        return PendingReduce(self, reductions, all_reduce)
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """Wait for a reduction; all-reduce across replicas (HSDP); add to the sharded grads."""
+        info = self.mesh_info
+        for work, params in pending.reductions:
+            output = work.wait()  # 1-D, the packed padded shards of params
+            key = tuple(id(p) for p in params)
+            partial = self._partials.pop(key, None)
+            if partial is not None:
+                output.add_(partial)
+            if info.replicate_group is not None:
+                if not pending.all_reduce:
+                    self._partials[key] = output  # reduced within the shard group only
+                    continue
+                comm.all_reduce(output, info.replicate_group, work.all_reduce_op)
+            if work.post_divide is not None and work.post_divide != 1:
+                output.div_(work.post_divide)
+            offset = 0
+            for p in params:
+                flat = output[offset : offset + p.shard_numel]
+                offset += p.shard_numel
+                p.accumulate_sharded_grad(flat.view(p.chunk_rows, *p.size[1:])[: p.local_rows])
 
 
 def _buckets(params: list[ShardedParam], key: Callable[[ShardedParam], torch.dtype]) -> list[list[ShardedParam]]:
@@ -168,17 +238,11 @@ def _buckets(params: list[ShardedParam], key: Callable[[ShardedParam], torch.dty
 
 @dataclass
 class PendingReduce:
-    """A group's gradient reduction in flight and the parameters it belongs to."""
+    """A group's gradient reduction in flight."""
 
+    group: ParamGroup
     reductions: list[tuple[comm.ReduceScatterWork, list[ShardedParam]]]
+    all_reduce: bool  # HSDP: whether to all-reduce across replicas when it lands
 
     def finish(self) -> None:
-        """Wait for the reductions and add each rank's rows to the sharded gradients."""
-        for work, params in self.reductions:
-            output = work.wait()  # 1-D, the packed padded shards of params
-            offset = 0
-            for p in params:
-                flat = output[offset : offset + p.shard_numel]
-                offset += p.shard_numel
-                p.accumulate_sharded_grad(flat.view(p.chunk_rows, *p.size[1:])[: p.local_rows])
-
+        self.group.finish_reduce(self)

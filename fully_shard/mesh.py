@@ -52,6 +52,53 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+# dim names that mean model parallelism: passing such a mesh as the data-parallel one is a mistake
+_MODEL_PARALLEL_DIM_NAMES = ("tp", "cp", "ep", "pp", "tensor", "context", "expert", "pipeline")
+
+
+@dataclass
+class PostForwardInfo:
+    """reshard_after_forward=k: the k consecutive ranks of the shard dim that hold the
+    parameters between forward and backward, so the backward all-gather stays among them."""
+
+    group: dist.ProcessGroup
+    size: int  # k
+    rank: int  # this rank's index among the k
+
+
+_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], int], PostForwardInfo] = {}
+
+
+def post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
+    """Validate ``k`` and return this rank's k-rank group (created once per mesh and k).
+
+    Every rank creates every group, in the same order, as ``new_group`` requires.
+    """
+    n = info.shard_size
+    if not (1 < k < n and n % k == 0):
+        raise ValueError(
+            f"reshard_after_forward={k} must be a divisor of the shard group size {n} other "
+            f"than 1 and {n} (e.g. the number of ranks per node); use True or False otherwise"
+        )
+    ranks = info.mesh.mesh
+    if info.replicate_mesh_dim is not None:
+        ranks = ranks.transpose(0, 1) if info.shard_mesh_dim == 0 else ranks
+    rows = ranks.reshape(-1, n).tolist()  # each row: one shard group's global ranks
+    key = (tuple(int(r) for row in rows for r in row), k)
+    if key not in _POST_FORWARD_GROUPS:
+        me = dist.get_rank()
+        mine: PostForwardInfo | None = None
+        for row in rows:
+            for start in range(0, n, k):
+                members = row[start : start + k]
+                group = dist.new_group(members)
+                if me in members:
+                    mine = PostForwardInfo(group, k, members.index(me))
+        assert mine is not None, f"rank {me} is not in the mesh {rows}"
+        _POST_FORWARD_GROUPS[key] = mine
+    return _POST_FORWARD_GROUPS[key]
+
+
 def mesh_info_for(mesh: DeviceMesh | None) -> MeshInfo:
     """Validate ``mesh`` for fully_shard and return its data-parallel view."""
     if mesh is None:
@@ -61,10 +108,15 @@ def mesh_info_for(mesh: DeviceMesh | None) -> MeshInfo:
     if mesh.ndim == 1:
         return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
     if mesh.ndim == 2:
-        raise NotImplementedError(
-            "fully_shard: HSDP (a 2-D (replicate, shard) mesh) is not supported yet; "
-            "pass a 1-D mesh"
-        )
+        names = mesh.mesh_dim_names or ()
+        model_parallel = [n for n in names if n in _MODEL_PARALLEL_DIM_NAMES]
+        if model_parallel:
+            raise ValueError(
+                f"fully_shard reads a 2-D mesh as HSDP (replicate, shard), but this mesh's dims are "
+                f"named {names} and {model_parallel[0]!r} is not a data-parallel dim. Pass the "
+                "data-parallel part, e.g. mesh['dp'] (FSDP) or mesh['dp_replicate', 'dp_shard'] (HSDP)"
+            )
+        return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
     raise ValueError(
         f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got a "
         f"{mesh.ndim}-D mesh with shape {tuple(mesh.shape)} and dim names {mesh.mesh_dim_names}; "

@@ -6,7 +6,7 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .mesh import MeshInfo
@@ -75,7 +75,7 @@ class ShardedParam:
             local.copy_(src)
         self._spec = DTensorSpec(
             mesh_info.mesh,
-            (Shard(0),),
+            (Shard(0),) if mesh_info.replicate_mesh_dim is None else (Replicate(), Shard(0)),
             TensorMeta(self.size, _contiguous_stride(self.size), self.dtype),
         )
         self.sharded_param = nn.Parameter(
@@ -85,6 +85,7 @@ class ShardedParam:
         self._padded_unsharded: torch.Tensor | None = None  # 1-D, N*c rows; storage freed when sharded
         self.unsharded_param: nn.Parameter | None = None  # view of the first n rows
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
+        self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
 
     # -- sharded side ------------------------------------------------------------
 
@@ -110,8 +111,7 @@ class ShardedParam:
     def alloc_unsharded(self) -> torch.Tensor:
         """Give the unsharded buffer its storage back; returns the flat padded buffer."""
         if self._padded_unsharded is None:
-            numel = self.shard_numel * self.mesh_info.shard_size
-            self._padded_unsharded = torch.empty(numel, dtype=self.unsharded_dtype, device=self.device)
+            self._padded_unsharded = torch.empty(self.unsharded_numel, dtype=self.unsharded_dtype, device=self.device)
             self.unsharded_param = nn.Parameter(
                 self._padded_unsharded.view(self.padded_shape)[: self.size[0]],
                 requires_grad=self.sharded_param.requires_grad,
@@ -124,6 +124,19 @@ class ShardedParam:
         assert self.unsharded_param is not None
         self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
         return self._padded_unsharded
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements of the padded unsharded buffer: world size x padded per-rank slot."""
+        return self.shard_numel * self.mesh_info.shard_size
+
+    def post_forward_numel(self, k: int) -> int:
+        return self.unsharded_numel // k
+
+    def keep_post_forward_slice(self, k: int, index: int) -> None:
+        """Keep this rank's 1/k of the padded full parameter before it is freed."""
+        assert self._padded_unsharded is not None
+        self.post_forward_slice = self._padded_unsharded.view(k, -1)[index].clone()
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the tensor objects stay, so autograd's saved

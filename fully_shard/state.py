@@ -24,7 +24,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import streams
-from .group import ParamGroup, PendingReduce
+from .group import GroupState, ParamGroup, PendingReduce
 from .policy import MixedPrecisionPolicy
 
 STATE_ATTR = "_fully_shard_state"
@@ -88,7 +88,7 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.group = group
         self.device = device
-        self.reshard_after_forward = reshard_after_forward  # None: resolved at lazy init
+        self.reshard_after_forward = reshard_after_forward  # None: resolved at lazy init; int: k ranks
         self.is_root: bool | None = None
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
@@ -197,7 +197,7 @@ class FSDPState:
         assert ctx is not None
         with record_function("fully_shard::post_forward"):
             if self.group is not None and self.reshard_after_forward:
-                self.group.reshard()
+                self.group.reshard(post_forward=type(self.reshard_after_forward) is int)
             self.training_state = TrainingState.IDLE
             if self.mp_policy.output_dtype is not None:
                 output = _cast_floating(output, self.mp_policy.output_dtype)
@@ -312,8 +312,8 @@ class FSDPState:
             for state in ctx.states:
                 state.training_state = TrainingState.IDLE
                 group = state.group
-                if group is not None and group.is_unsharded and group.reshard_after_backward:
-                    group.reshard()  # prefetched but never used
+                if group is not None and group.state is not GroupState.SHARDED and group.reshard_after_backward:
+                    group.reshard()  # prefetched but never used, or kept after forward for a backward that never came
             ctx.post_forward_order = []
             ctx.callback_queued = False
 

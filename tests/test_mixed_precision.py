@@ -65,7 +65,7 @@ def _mp_vs_torch(policy: dict, steps: int) -> None:
         # the issue asks for 1e-3 relative; at world size 2 we reach bitwise
         torch.testing.assert_close(loss, tloss, rtol=0, atol=0)
     for (name, p), tp in zip(ours.named_parameters(), theirs.parameters()):
-        torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
         for key in ("exp_avg", "exp_avg_sq"):
             assert opt.state[p][key].dtype == torch.float32
 
@@ -148,7 +148,7 @@ def _accumulate_in_reduce_dtype() -> None:
                 kept = [p.accumulated_grad for p in group.params]
                 assert all(g is not None and g.dtype == torch.float32 for g in kept), [g.dtype for g in kept]
     for (name, p), tp in zip(ours.named_parameters(), theirs.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), tp.grad.full_tensor(), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p.grad.full_tensor(), tp.grad.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_gradient_accumulation_keeps_reduce_dtype() -> None:
@@ -210,7 +210,7 @@ def _mixed_dtype_group(steps: int) -> dict:
         # the fp32 adapters then differ by what that ulp does to their gradients
         bf16 = p.dtype == torch.bfloat16
         tol = dict(rtol=1.6e-2, atol=4e-3) if bf16 else dict(rtol=1e-3, atol=2e-4)
-        torch.testing.assert_close(p.full_tensor(), p_ref, **tol, msg=name)
+        torch.testing.assert_close(p.full_tensor(), p_ref, **tol, msg=lambda m, name=name: f"{name}: {m}")
     return counts
 
 

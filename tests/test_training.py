@@ -43,7 +43,7 @@ def _train_vs_reference(steps: int) -> list[float]:
         torch.testing.assert_close(loss, ref_loss, rtol=tol, atol=tol)
         losses.append(loss.item())
     for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(p.full_tensor(), p_ref, rtol=tol, atol=tol, msg=name)
+        torch.testing.assert_close(p.full_tensor(), p_ref, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
     return losses
 
 

@@ -1,0 +1,222 @@
+"""HSDP on 2-D meshes, reshard_after_forward=k, pure replication: world size 4 on gloo.
+
+Oracles: the unsharded model trained with gradients averaged over all 4 ranks, and torch's
+FSDP2 with the same mesh and settings on the same inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from fully_shard import fully_shard
+from tests.collectives import CollectiveRecorder
+from tests.harness import run_distributed
+from tests.models import ModelArgs, Transformer, batch, loss_fn
+
+# name -> (mesh shape, reshard_after_forward)
+CONFIGS = {
+    "hsdp-2x2": ((2, 2), None),
+    "reshard-k2": ((4,), 2),
+    "replicate-4x1": ((4, 1), None),
+    "hsdp-2x2-k": ((2, 2), True),
+}
+
+
+def _mesh(shape: tuple[int, ...]):
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _shard(model, shard_fn, mesh, reshard) -> None:
+    for block in model.layers:
+        shard_fn(block, mesh=mesh, reshard_after_forward=reshard)
+    shard_fn(model, mesh=mesh)
+
+
+def _train(config: str, steps: int) -> list[str]:
+    shape, reshard = CONFIGS[config]
+    mesh = _mesh(shape)
+    ref = Transformer()
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    _shard(ours, fully_shard, mesh, reshard)
+    _shard(theirs, torch_fully_shard, mesh, reshard)
+    models = (ref, ours, theirs)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(steps):
+        x = batch(step, dist.get_rank())
+        losses = []
+        for model, opt in zip(models, opts):
+            loss = loss_fn(model(x), x)
+            loss.backward()
+            if model is ref:
+                for p in ref.parameters():
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        # vs torch's FSDP2: the same reductions in the same order, bitwise
+        torch.testing.assert_close(losses[1], losses[2], rtol=0, atol=0)
+        # vs all-reduce over 4 ranks: gloo sums in another order, fp32 rounding
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    placements = []
+    for (name, p_ref), p, tp in zip(ref.named_parameters(), ours.parameters(), theirs.parameters()):
+        assert p.placements == tp.placements and p.to_local().shape == tp.to_local().shape, name
+        torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        # AdamW divides by sqrt(v): a near-zero gradient's last-bit difference moves a weight ~1e-5
+        torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        placements.append(f"{name}: {p.placements}")
+    sd, tsd = ours.state_dict(), theirs.state_dict()
+    assert list(sd) == list(tsd)
+    for key in sd:
+        assert sd[key].placements == tsd[key].placements, key
+    return placements
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_training_matches_reference_and_torch(config: str) -> None:
+    placements = run_distributed(_train, 4, config, 3)[0]
+    expected = "(Replicate(), Shard(dim=0))" if len(CONFIGS[config][0]) == 2 else "(Shard(dim=0),)"
+    assert all(line.endswith(expected) for line in placements), placements
+
+
+def _step_collectives(config: str, use_torch: bool) -> str:
+    shape, reshard = CONFIGS[config]
+    model = Transformer(ModelArgs(n_layers=3))
+    _shard(model, torch_fully_shard if use_torch else fully_shard, _mesh(shape), reshard)
+    x = batch(0, dist.get_rank())
+    loss_fn(model(x), x).backward()  # warm-up: the forward order is known from here on
+    with CollectiveRecorder() as rec:
+        loss = loss_fn(model(x), x)
+        rec.mark("backward")
+        loss.backward()
+    return rec.table(("kind", "group_size", "numel"))
+
+
+def _counts(table: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in table.splitlines():
+        if not line.startswith("--"):
+            key = " ".join(line.split()[:2])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+class TestCollectives(expecttest.TestCase):
+    def test_hsdp_step(self) -> None:
+        table = run_distributed(_step_collectives, 4, "hsdp-2x2", False)[0]
+        self.assertExpectedInline(table, """\
+all_gather      2  6851
+all_gather      2  42600
+all_gather      2  42600
+all_gather      2  42600
+-- backward --
+all_gather      2  42600
+all_gather      2  42600
+reduce_scatter  2  85200
+all_gather      2  42600
+reduce_scatter  2  85200
+all_reduce      2  42600
+reduce_scatter  2  85200
+all_reduce      2  42600
+reduce_scatter  2  13702
+all_reduce      2  42600
+all_reduce      2  6851
+""")
+        torch_table = run_distributed(_step_collectives, 4, "hsdp-2x2", True)[0]
+        self.assertEqual(_counts(table), _counts(torch_table))
+
+    def test_reshard_to_2_ranks_step(self) -> None:
+        table = run_distributed(_step_collectives, 4, "reshard-k2", False)[0]
+        self.assertExpectedInline(table, """\
+all_gather      4  3426
+all_gather      4  21400
+all_gather      4  21400
+all_gather      4  21400
+-- backward --
+all_gather      2  42800
+all_gather      2  42800
+reduce_scatter  4  85600
+all_gather      2  42800
+reduce_scatter  4  85600
+reduce_scatter  4  85600
+reduce_scatter  4  13704
+""")
+        torch_table = run_distributed(_step_collectives, 4, "reshard-k2", True)[0]
+        self.assertEqual(_counts(table), _counts(torch_table))
+
+    def test_replicate_only_step(self) -> None:
+        table = run_distributed(_step_collectives, 4, "replicate-4x1", False)[0]
+        self.assertExpectedInline(table, """\
+-- backward --
+all_reduce  4  85200
+all_reduce  4  85200
+all_reduce  4  85200
+all_reduce  4  13501
+""")
+
+
+def _all_reduce_off(use_torch: bool) -> list[torch.Tensor]:
+    mesh = _mesh((2, 2))
+    model = Transformer()
+    _shard(model, torch_fully_shard if use_torch else fully_shard, mesh, None)
+    for micro in range(3):
+        model.set_requires_all_reduce(micro == 2)
+        x = batch(micro, dist.get_rank())
+        loss_fn(model(x), x).backward()
+    return [p.grad.full_tensor() for p in model.parameters()]
+
+
+def test_requires_all_reduce_off_accumulates_across_replicas() -> None:
+    ours = run_distributed(_all_reduce_off, 4, False)
+    theirs = run_distributed(_all_reduce_off, 4, True)
+    for a, b in zip(ours[0], theirs[0]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _bad_k(k: int) -> str:
+    mesh = _mesh((4,))
+    try:
+        fully_shard(Transformer().layers[0], mesh=mesh, reshard_after_forward=k)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("k", [3, 4, 1])
+def test_bad_reshard_after_forward_int(k: int) -> None:
+    message = run_distributed(_bad_k, 4, k)[0]
+    assert f"reshard_after_forward={k} must be a divisor of the shard group size 4" in message
+
+
+def _tp_named_mesh() -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    try:
+        fully_shard(Transformer(), mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_2d_mesh_with_tp_dim_name_is_rejected() -> None:
+    message = run_distributed(_tp_named_mesh, 4)[0]
+    assert "'tp' is not a data-parallel dim" in message and "mesh['dp']" in message
+
+
+def _three_d_mesh() -> str:
+    mesh = init_device_mesh("cpu", (1, 2, 2))
+    try:
+        fully_shard(Transformer(), mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_3d_mesh_is_rejected() -> None:
+    assert "got a 3-D mesh" in run_distributed(_three_d_mesh, 4)[0]
