@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable
-from typing import Any, overload
+from typing import Any, Callable, overload
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from .group import ParamGroup
 from .mesh import mesh_info_for, post_forward_info
@@ -19,10 +20,29 @@ from .state import STATE_ATTR, FSDPState, state_of
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
-# parameter object -> which fully_shard call sharded it: the original tensors (to catch
-# ties across groups) and the sharded DTensor parameters (to catch top-down calls)
-_SHARDED_ORIGINALS: weakref.WeakKeyDictionary[torch.Tensor, str] = weakref.WeakKeyDictionary()
-_SHARDED_PARAMS: weakref.WeakKeyDictionary[torch.Tensor, str] = weakref.WeakKeyDictionary()
+
+class _Owner:
+    """Which fully_shard call sharded a parameter: to tell a later call that reaches the same
+    parameter whether it runs top-down or ties parameters across groups."""
+
+    def __init__(self, sharded: ShardedParam, original: torch.Tensor, modules: tuple[nn.Module, ...], label: str) -> None:
+        self.sharded = weakref.ref(sharded)
+        self.original = weakref.ref(original)
+        self.modules = [weakref.ref(m) for m in modules]
+        self.label = label
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is the original or the sharded parameter (ids alone can be reused)."""
+        sharded = self.sharded()
+        return p is self.original() or (sharded is not None and p is sharded.sharded_param)
+
+    def encloses(self, module: nn.Module) -> bool:
+        return any(m() is not None and any(sub is module for sub in m().modules()) for m in self.modules)  # type: ignore[union-attr]
+
+
+# id(parameter) -> its owner, for originals and sharded parameters alike. Weak references
+# only: a tensor with a weak reference cannot be swapped by Module._apply (to_empty, to()).
+_OWNERS: dict[int, _Owner] = {}
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -35,7 +55,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Any | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -71,7 +91,9 @@ def fully_shard(
             consecutive ranks after forward, so the backward all-gather runs within them at
             the cost of ``k/N`` of the parameters more memory. ``None``: ``True`` except for
             the root.
-        shard_placement_fn: not supported yet (raises ``NotImplementedError``).
+        shard_placement_fn: called with each parameter; returns ``Shard(dim)`` to shard it
+            on ``dim`` (which the shard size must divide evenly when ``dim != 0``) or
+            ``None`` for the default ``Shard(0)``.
         mp_policy: dtypes for the all-gather and compute (``param_dtype``), the gradient
             reduction (``reduce_dtype``) and outputs; see :class:`MixedPrecisionPolicy`.
             The sharded parameters, their gradients and optimizer state keep their own
@@ -97,8 +119,6 @@ def fully_shard(
         >>> model(tokens).sum().backward(); opt.step(); opt.zero_grad()
     """
     modules = _as_modules(module)
-    if shard_placement_fn is not None:
-        raise NotImplementedError("fully_shard: shard_placement_fn is not supported yet; leave it None (Shard(0))")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -117,12 +137,13 @@ def fully_shard(
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = offload and offload_policy.pin_memory  # type: ignore[attr-defined]
     sharded = [
-        ShardedParam(p, fqn, uses, mesh_info, device, mp_policy, offload, pin) for p, (fqn, uses) in found.items()
+        ShardedParam(p, fqn, uses, mesh_info, device, mp_policy, offload, pin, _shard_dim(shard_placement_fn, p, fqn))
+        for p, (fqn, uses) in found.items()
     ]
     _move_buffers(modules, device)
     for original, sp in zip(found, sharded):
-        _SHARDED_ORIGINALS[original] = label
-        _SHARDED_PARAMS[sp.sharded_param] = label
+        owner = _Owner(sp, original, modules, label)
+        _OWNERS[id(original)] = _OWNERS[id(sp.sharded_param)] = owner
         sp.register(unsharded=False)
     group = ParamGroup(sharded, mesh_info, device, label, post_forward) if sharded else None
     state = FSDPState(modules, group, device, reshard_after_forward, mp_policy)
@@ -130,6 +151,20 @@ def fully_shard(
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None, param: nn.Parameter, fqn: str) -> int:
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise ValueError(
+            f"shard_placement_fn must return Shard(dim) or None, got {placement!r} for parameter {fqn!r}"
+        )
+    dim = placement.dim
+    if not -param.dim() <= dim < param.dim():
+        raise ValueError(f"shard_placement_fn returned {placement!r} for parameter {fqn!r} of {param.dim()} dims")
+    return dim
 
 
 def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...]:
@@ -170,18 +205,19 @@ def _collect_params(
             if p is None or p in ignored:
                 continue
             fqn = prefix + name
-            if p in _SHARDED_PARAMS:
+            owner = _OWNERS.get(id(p))
+            if owner is not None and owner.owns(p):
+                if any(owner.encloses(m) for m in modules):
+                    raise ValueError(
+                        f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
+                        f"by the fully_shard call on {owner.label}, an enclosing module. Apply "
+                        "fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
+                    )
                 raise ValueError(
-                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
-                    f"by the fully_shard call on {_SHARDED_PARAMS[p]}, an enclosing module. "
-                    "Apply fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
-                )
-            if p in _SHARDED_ORIGINALS:
-                raise ValueError(
-                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is tied to a "
-                    f"parameter that the fully_shard call on {_SHARDED_ORIGINALS[p]} already "
-                    "sharded. Tied parameters must be in one group: pass both modules in one "
-                    "call, fully_shard([a, b]), or shard their common parent instead."
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is tied to (or shared "
+                    f"with) a parameter that the fully_shard call on {owner.label} already sharded. "
+                    "Tied parameters must be in one group: pass both modules in one call, "
+                    "fully_shard([a, b]), or shard their common parent instead."
                 )
             if p in found:
                 found[p][1].append((module, name))
@@ -272,6 +308,16 @@ class FSDPModule:
             if state is not None:
                 states.setdefault(id(state), state)
         return list(states.values())
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # to_empty(), to(dtype), double(): act on the sharded parameters, then follow them
+        group = state_of(self).group  # type: ignore[arg-type]
+        if group is not None:
+            group.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        if group is not None:
+            group.refresh_after_apply()
+        return out
 
     def reshard(self) -> None:
         """Free this module's full parameters, leaving the sharded ones registered."""

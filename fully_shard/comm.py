@@ -91,16 +91,22 @@ def all_gather(
 
 
 def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
-    """Copy a gathered flat output into each parameter's padded unsharded buffer.
+    """Copy a gathered flat output into each parameter's unsharded buffer.
 
-    ``dests[i]`` is a 1-D buffer of ``world_size * shard_numels[i]`` elements; row ``r``
-    of its ``(world_size, shard_numel)`` view receives rank ``r``'s shard.
+    ``dests[i]`` is either a 1-D buffer of ``world_size * shard_numels[i]`` elements, row
+    ``r`` of whose ``(world_size, shard_numel)`` view receives rank ``r``'s slot, or a
+    ``(world_size, ...)`` strided view (a shard dim other than 0) whose entry ``r`` does.
     """
-    outs = [d.view(world_size, -1) for d in dests]
+    gathered = output.view(world_size, -1)  # (world_size, sum of slots), rank-major
     # The destinations alias parameters that autograd may have saved for backward:
     # refilling them is not a modification autograd must see.
-    with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-        torch.split_with_sizes_copy(output.view(world_size, -1), shard_numels, dim=1, out=outs)
+    with torch.autograd._unsafe_preserve_version_counter(tuple(dests)):
+        if all(d.dim() == 1 for d in dests):
+            outs = [d.view(world_size, -1) for d in dests]
+            torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=outs)
+            return
+        for dest, block in zip(dests, torch.split(gathered, shard_numels, dim=1)):
+            dest.copy_(block.reshape(dest.shape) if dest.dim() > 1 else block.reshape(-1))
 
 
 def divide_factors(

@@ -103,7 +103,9 @@ class ParamGroup:
         for bucket, work in zip(self._gather_buckets, self._all_gathers):
             output = work.wait()
             world = work.world_size
-            dests = [p.alloc_unsharded() for p in bucket]
+            for p in bucket:
+                p.alloc_unsharded()
+            dests = [p.gather_dest(world) for p in bucket]
             comm.copy_out(output, world, [p.unsharded_numel // world for p in bucket], dests)
         self._all_gathers = []
         for p in self.params:
@@ -146,10 +148,15 @@ class ParamGroup:
             p.register(unsharded=False)
             p.post_forward_slice = None
             p.accumulated_grad = None
-            if p.unsharded_param is not None:
-                p.unsharded_param.grad = None
+            p.clear_unsharded_grad()
         self.state = GroupState.SHARDED
         self.needs_post_backward = False
+
+    def refresh_after_apply(self) -> None:
+        """Follow dtype changes made by ``Module._apply`` (``model.double()``)."""
+        for p in self.params:
+            p.refresh_after_apply()
+        self._gather_buckets = _buckets(self.params, lambda p: p.unsharded_dtype)
 
     @property
     def is_unsharded(self) -> bool:
@@ -171,8 +178,7 @@ class ParamGroup:
         for p in self.params:
             grad = p.unsharded_grad
             if grad is not None:
-                assert p.unsharded_param is not None
-                p.unsharded_param.grad = None
+                p.clear_unsharded_grad()
             if p.accumulated_grad is not None:
                 if grad is not None:
                     p.accumulated_grad.add_(grad)
@@ -193,7 +199,7 @@ class ParamGroup:
         reductions = []
         for bucket in _buckets(with_grad, lambda p: p.reduce_dtype):  # one per reduce dtype
             work = comm.reduce_scatter(
-                [grads[id(p)] for p in bucket],
+                [p.grad_for_reduce(grads[id(p)]) for p in bucket],
                 info.shard_group,
                 info.shard_size,
                 info.replicate_size,
@@ -223,9 +229,8 @@ class ParamGroup:
                 output.div_(work.post_divide)
             offset = 0
             for p in params:
-                flat = output[offset : offset + p.shard_numel]
+                p.accumulate_sharded_grad(output[offset : offset + p.shard_numel])
                 offset += p.shard_numel
-                p.accumulate_sharded_grad(flat.view(p.chunk_rows, *p.size[1:])[: p.local_rows])
 
 
 def _buckets(params: list[ShardedParam], key: Callable[[ShardedParam], torch.dtype]) -> list[list[ShardedParam]]:

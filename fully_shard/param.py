@@ -6,8 +6,10 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .mesh import MeshInfo
 from .policy import MixedPrecisionPolicy
@@ -22,12 +24,17 @@ def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
 
 
 class ShardedParam:
-    """A parameter sharded on dim 0 with ``torch.chunk`` semantics.
+    """A parameter sharded over the shard dim of the mesh, on tensor dim ``shard_dim``.
 
-    Rank ``r`` of ``N`` holds rows ``[r*c, min((r+1)*c, n))`` of an ``n``-row parameter,
-    where ``c = ceil(n / N)``: the last ranks may hold fewer rows, or none. In the flat
-    collective buffers every rank's slot is ``c`` rows (padded), so the unsharded buffer has
-    ``N*c`` rows of which the first ``n`` are the parameter.
+    Dim 0 follows ``torch.chunk`` semantics: rank ``r`` of ``N`` holds rows
+    ``[r*c, min((r+1)*c, n))`` of an ``n``-row parameter with ``c = ceil(n / N)``, so the
+    last ranks may hold fewer rows, or none. In the flat collective buffers every rank's
+    slot is ``c`` rows (padded), so the unsharded buffer has ``N*c`` rows of which the first
+    ``n`` are the parameter. Other dims (``shard_placement_fn``) must divide evenly.
+
+    A DTensor parameter (tensor parallelism) is sharded on its local tensor; its sharded
+    DTensor lives on the mesh that joins the data-parallel and the TP mesh, and the
+    unsharded parameter is the TP DTensor the module expects.
     """
 
     def __init__(
@@ -40,62 +47,109 @@ class ShardedParam:
         mp_policy: MixedPrecisionPolicy,
         offload: bool,
         pin_memory: bool,
+        shard_dim: int = 0,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
-                f"fully_shard cannot shard the scalar parameter {fqn!r} on dim 0: give it "
-                "shape (1,) or pass it in ignored_params"
+                f"fully_shard cannot shard the scalar parameter {fqn!r}: give it shape (1,) or "
+                "pass it in ignored_params"
             )
         self.local_fqn = fqn  # relative to the module(s) given to fully_shard
         self.fqn = fqn  # relative to the root, once lazy init knows it
         self.uses = uses  # every (module, attribute name) that registers this parameter
         self.mesh_info = mesh_info
         self.device = device
-        self.size = param.shape
-        self.dtype = param.dtype  # of the sharded parameter, its gradient and optimizer state
-        cast = mp_policy.param_dtype if self.dtype.is_floating_point else None
-        self.unsharded_dtype = cast or self.dtype  # all-gather and compute
-        self.reduce_dtype = mp_policy.reduce_dtype or self.unsharded_dtype  # reduce-scatter
+        self.mp_policy = mp_policy
+        self._set_dtypes(param.dtype)
         # offloading keeps the sharded parameter (and so its grad and optimizer state) on the CPU
         self.shard_device = torch.device("cpu") if offload else device
-        world, rank = mesh_info.shard_size, mesh_info.shard_rank
-        rows = self.size[0]
-        self.chunk_rows = math.ceil(rows / world)
-        row_numel = math.prod(self.size[1:])
-        self.shard_numel = self.chunk_rows * row_numel  # padded per-rank slot, in elements
-        start = min(rank * self.chunk_rows, rows)
-        self.local_rows = min(start + self.chunk_rows, rows) - start
-        self.padded_shape = (world * self.chunk_rows, *self.size[1:])
 
-        src = param.detach()[start : start + self.local_rows]
+        # tensor parallelism: FSDP shards the TP-local tensor
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        data = param._local_tensor if isinstance(param, DTensor) else param
+        self.size = data.shape  # of the (TP-local) tensor that is gathered
+        if shard_dim < 0:
+            shard_dim += data.dim()
+        world, rank = mesh_info.shard_size, mesh_info.shard_rank
+        self.shard_dim = shard_dim
+        if shard_dim > 0 and self.size[shard_dim] % world:
+            raise ValueError(
+                f"fully_shard: shard_placement_fn put parameter {fqn!r} of shape "
+                f"{tuple(self.size)} on Shard({shard_dim}), which {world} ranks do not divide "
+                "evenly; only dim 0 may be uneven. Return Shard(0) (or None) for it."
+            )
+        if shard_dim == 0:
+            rows = self.size[0]
+            self.chunk_rows = math.ceil(rows / world)
+            self.shard_numel = self.chunk_rows * math.prod(self.size[1:])  # padded per-rank slot
+            start = min(rank * self.chunk_rows, rows)
+            self.local_rows = min(start + self.chunk_rows, rows) - start
+            self.padded_shape = (world * self.chunk_rows, *self.size[1:])
+            src = data.detach()[start : start + self.local_rows]
+        else:
+            src = data.detach().chunk(world, dim=shard_dim)[rank]
+            self.shard_numel = src.numel()
+            self.padded_shape = tuple(self.size)
+        self.local_shape = src.shape
+
         target = torch.device("meta") if param.is_meta else self.shard_device
         pin = pin_memory and offload and target.type == "cpu" and torch.accelerator.is_available()
-        local = torch.empty(src.shape, dtype=self.dtype, device=target, pin_memory=pin)  # this rank's rows
+        local = torch.empty(src.shape, dtype=self.dtype, device=target, pin_memory=pin)  # this rank's part
         if not param.is_meta:
             local.copy_(src)
-        self._spec = DTensorSpec(
-            mesh_info.mesh,
-            (Shard(0),) if mesh_info.replicate_mesh_dim is None else (Replicate(), Shard(0)),
-            TensorMeta(self.size, _contiguous_stride(self.size), self.dtype),
-        )
+        self._spec = self._sharded_spec(param)
         self.sharded_param = nn.Parameter(
             DTensor(local, self._spec, requires_grad=param.requires_grad),
             requires_grad=param.requires_grad,
         )
-        self._padded_unsharded: torch.Tensor | None = None  # 1-D, N*c rows; storage freed when sharded
-        self.unsharded_param: nn.Parameter | None = None  # view of the first n rows
+        self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
+        self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
         self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
+
+    def _set_dtypes(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
+        cast = self.mp_policy.param_dtype if dtype.is_floating_point else None
+        self.unsharded_dtype = cast or dtype  # all-gather and compute
+        self.reduce_dtype = self.mp_policy.reduce_dtype or self.unsharded_dtype  # reduce-scatter
+
+    def refresh_after_apply(self) -> None:
+        """After ``module.to(dtype)`` / ``.double()``: follow the new sharded dtype."""
+        dtype = self.local_shard.dtype
+        if dtype == self.dtype:
+            return
+        self._set_dtypes(dtype)
+        meta = self._spec.tensor_meta
+        assert meta is not None
+        self._spec = DTensorSpec(self._spec.mesh, self._spec.placements, TensorMeta(meta.shape, meta.stride, dtype))
+        self._padded_unsharded = None  # reallocated in the new dtype at the next all-gather
+        self.unsharded_param = None
+
+    def _sharded_spec(self, param: nn.Parameter) -> DTensorSpec:
+        info = self.mesh_info
+        placement: Placement = Shard(self.shard_dim)
+        dp: tuple[Placement, ...]
+        if self.tp_spec is None:
+            dp = (placement,) if info.replicate_mesh_dim is None else (Replicate(), placement)
+            meta = TensorMeta(param.shape, _contiguous_stride(param.shape), self.dtype)
+            return DTensorSpec(info.mesh, dp, meta)
+        # TP shards this dim into `split` pieces already: FSDP shards within each piece
+        split = self.tp_spec.num_shards_map[self.shard_dim]
+        if split > 1:
+            placement = _StridedShard(self.shard_dim, split_factor=split)
+        dp = (placement,) if info.replicate_mesh_dim is None else (Replicate(), placement)
+        mesh = DeviceMesh._concatenate([info.mesh, self.tp_spec.mesh])
+        return DTensorSpec(mesh, dp + tuple(self.tp_spec.placements), self.tp_spec.tensor_meta)
 
     # -- sharded side ------------------------------------------------------------
 
     @property
     def local_shard(self) -> torch.Tensor:
-        """This rank's rows (read afresh: ``to_empty``/``load_state_dict`` may swap them)."""
+        """This rank's part (read afresh: ``to_empty``/``load_state_dict`` may swap it)."""
         return self.sharded_param._local_tensor
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap a tensor shaped like this rank's rows as a DTensor laid out like the parameter."""
+        """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter."""
         return DTensor(local, self._spec, requires_grad=False)
 
     def check_materialized(self) -> None:
@@ -108,27 +162,36 @@ class ShardedParam:
 
     # -- unsharded side ------------------------------------------------------------
 
-    def alloc_unsharded(self) -> torch.Tensor:
-        """Give the unsharded buffer its storage back; returns the flat padded buffer."""
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements of the padded unsharded buffer: world size x padded per-rank slot."""
+        return self.shard_numel * self.mesh_info.shard_size
+
+    def alloc_unsharded(self) -> None:
+        """Give the unsharded buffer its storage back (allocated on first use)."""
         if self._padded_unsharded is None:
             self._padded_unsharded = torch.empty(self.unsharded_numel, dtype=self.unsharded_dtype, device=self.device)
-            self.unsharded_param = nn.Parameter(
-                self._padded_unsharded.view(self.padded_shape)[: self.size[0]],
-                requires_grad=self.sharded_param.requires_grad,
-            )
-            return self._padded_unsharded
+            data = self._padded_unsharded.view(self.padded_shape)[: self.size[0]]
+            if self.tp_spec is not None:
+                data = DTensor(data, self.tp_spec, requires_grad=False)
+            self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
+            return
         storage = self._padded_unsharded.untyped_storage()
         nbytes = self._padded_unsharded.numel() * self._padded_unsharded.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
         assert self.unsharded_param is not None
         self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
-        return self._padded_unsharded
 
-    @property
-    def unsharded_numel(self) -> int:
-        """Elements of the padded unsharded buffer: world size x padded per-rank slot."""
-        return self.shard_numel * self.mesh_info.shard_size
+    def gather_dest(self, world: int) -> torch.Tensor:
+        """Where a gathered ``(world, slot)`` block lands: the flat buffer, or for a shard dim
+        d > 0, a ``(world, *local_shape)`` strided view putting each rank's part in place."""
+        assert self._padded_unsharded is not None
+        if self.shard_dim == 0 or world != self.mesh_info.shard_size:
+            return self._padded_unsharded  # dim 0, or a k-rank post-forward gather of the flat buffer
+        d, size = self.shard_dim, self.size
+        split = self._padded_unsharded.view(*size[:d], world, size[d] // world, *size[d + 1 :])
+        return split.movedim(d, 0)
 
     def post_forward_numel(self, k: int) -> int:
         return self.unsharded_numel // k
@@ -153,10 +216,32 @@ class ShardedParam:
 
     @property
     def unsharded_grad(self) -> torch.Tensor | None:
-        return None if self.unsharded_param is None else self.unsharded_param.grad
+        """The gradient of the unsharded parameter as a plain (TP-local) tensor."""
+        grad = None if self.unsharded_param is None else self.unsharded_param.grad
+        if isinstance(grad, DTensor):
+            assert self.tp_spec is not None
+            if grad.placements != self.tp_spec.placements:  # e.g. Partial from sequence parallelism
+                grad = grad.redistribute(placements=self.tp_spec.placements)
+            grad = grad._local_tensor
+        return grad
 
-    def accumulate_sharded_grad(self, local: torch.Tensor) -> None:
-        """Add this rank's reduced rows to the sharded gradient (or set it)."""
+    def clear_unsharded_grad(self) -> None:
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+
+    def grad_for_reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        """Arrange a full gradient so its dim 0 splits into the ranks' parts (``_chunk_cat``)."""
+        if self.shard_dim == 0:
+            return grad
+        d, size, world = self.shard_dim, self.size, self.mesh_info.shard_size
+        return grad.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
+
+    def accumulate_sharded_grad(self, flat: torch.Tensor) -> None:
+        """Add this rank's reduced slot (1-D, padded) to the sharded gradient (or set it)."""
+        if self.shard_dim == 0:
+            local = flat.view(self.chunk_rows, *self.size[1:])[: self.local_rows]
+        else:
+            local = flat.view(self.local_shape)
         local = local.to(device=self.shard_device, dtype=self.dtype)
         grad = self.sharded_param.grad
         if grad is None:

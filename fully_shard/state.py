@@ -319,6 +319,8 @@ class FSDPState:
 
     def reset_iter_state(self) -> None:
         """Drop everything an aborted forward or backward left behind."""
+        if self.ctx is None:
+            return  # no forward has run: nothing to reset
         if not self.is_root:
             raise RuntimeError(
                 "reset_iter_state() must be called on the root module (the one fully_shard was "

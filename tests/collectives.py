@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveRecord", "CollectiveRecorder", "format_records"]
+__all__ = ["CollectiveRecord", "CollectiveRecorder", "format_records", "split_phases"]
 
 # function name -> (normalised kind, name of the argument whose numel is recorded)
 _PATCHED: dict[str, tuple[str, str]] = {
@@ -180,17 +180,9 @@ class CollectiveRecorder:
         """The records without markers."""
         return [r for r in self.records if not r.is_mark]
 
-    def phases(self) -> dict[str, list[CollectiveRecord]]:
-        """Records split at markers: ``{"": before the first marker, label: after it, ...}``."""
-        out: dict[str, list[CollectiveRecord]] = {"": []}
-        current = ""
-        for r in self.records:
-            if r.is_mark:
-                current = r.op or ""
-                out.setdefault(current, [])
-            else:
-                out[current].append(r)
-        return out
+    def phases(self, first: str = "") -> dict[str, list[CollectiveRecord]]:
+        """Records split at markers; see :func:`split_phases`."""
+        return split_phases(self.records, first)
 
     def counts(self) -> dict[str, int]:
         """Number of collectives per kind."""
@@ -226,3 +218,17 @@ def format_records(
         else:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+def split_phases(records: Iterable[CollectiveRecord], first: str = "") -> dict[str, list[CollectiveRecord]]:
+    """Records split at markers: ``{first: before the first marker, label: after it, ...}``
+    (a label repeated later continues its list)."""
+    out: dict[str, list[CollectiveRecord]] = {first: []}
+    current = first
+    for r in records:
+        if r.is_mark:
+            current = r.op or ""
+            out.setdefault(current, [])
+        else:
+            out[current].append(r)
+    return out
