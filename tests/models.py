@@ -32,17 +32,18 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads = args.n_heads
+        self.head_dim = args.dim // args.n_heads
         self.wq = nn.Linear(args.dim, args.dim, bias=False)
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape  # (B, T, C)
-        q, k, v = (w(x).view(b, t, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        b, t, _ = x.shape  # (B, T, C)
+        # heads from the projection's width: under tensor parallelism each rank has some of them
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
-        return self.wo(y.transpose(1, 2).reshape(b, t, c))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
