@@ -6,6 +6,7 @@ Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
 """
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .init import broadcast_full_state_dict, materialize
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -16,6 +17,9 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "register_fsdp_forward_method",
+    # beyond torch's FSDP2
+    "materialize",
+    "broadcast_full_state_dict",
 ]
 
 __version__ = "0.1.0"

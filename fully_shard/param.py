@@ -84,6 +84,7 @@ class ShardedParam:
             self.shard_numel = self.chunk_rows * math.prod(self.size[1:])  # padded per-rank slot
             start = min(rank * self.chunk_rows, rows)
             self.local_rows = min(start + self.chunk_rows, rows) - start
+            self.row_start = start
             self.padded_shape = (world * self.chunk_rows, *self.size[1:])
             src = data.detach()[start : start + self.local_rows]
         else:
@@ -114,7 +115,15 @@ class ShardedParam:
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.unsharded_dtype  # reduce-scatter
 
     def refresh_after_apply(self) -> None:
-        """After ``module.to(dtype)`` / ``.double()``: follow the new sharded dtype."""
+        """After ``to_empty()`` / ``to()`` / ``.double()``: keep offloaded shards on the CPU,
+        and follow a new dtype."""
+        local = self.local_shard
+        if not local.is_meta and local.device != self.shard_device:
+            moved = nn.Parameter(
+                DTensor(local.to(self.shard_device), self._spec, requires_grad=False),
+                requires_grad=self.sharded_param.requires_grad,
+            )
+            torch.utils.swap_tensors(self.sharded_param, moved)
         dtype = self.local_shard.dtype
         if dtype == self.dtype:
             return
@@ -147,6 +156,12 @@ class ShardedParam:
     def local_shard(self) -> torch.Tensor:
         """This rank's part (read afresh: ``to_empty``/``load_state_dict`` may swap it)."""
         return self.sharded_param._local_tensor
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full (TP-local) tensor shaped like the parameter."""
+        if self.shard_dim == 0:
+            return full[self.row_start : self.row_start + self.local_rows]
+        return full.chunk(self.mesh_info.shard_size, dim=self.shard_dim)[self.mesh_info.shard_rank]
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter."""

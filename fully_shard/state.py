@@ -15,7 +15,8 @@ backward). Each state runs its group through the four phases:
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -174,12 +175,18 @@ class FSDPState:
         ctx = self.ctx
         assert ctx is not None
         with record_function("fully_shard::pre_forward"):
+            mp = self.mp_policy
+            if mp.cast_forward_inputs and mp.param_dtype is not None:
+                args, kwargs = _map_tensors(_floating_cast(mp.param_dtype), (args, kwargs))
+            if self.training_state is TrainingState.PRE_BACKWARD:
+                # activation checkpointing recomputes forward inside backward: the group is
+                # (or gets) unsharded, and no forward bookkeeping or hooks apply
+                if self.group is not None:
+                    self.group.unshard()
+                return args, kwargs
             if self.is_root:
                 args, kwargs = self._root_pre_forward(args, kwargs)
             self.training_state = TrainingState.FORWARD
-            mp = self.mp_policy
-            if mp.cast_forward_inputs and mp.param_dtype is not None:
-                args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
             grad_enabled = torch.is_grad_enabled()
             if self.group is not None:
                 self.group.unshard(async_op=True)
@@ -196,11 +203,12 @@ class FSDPState:
         ctx = self.ctx
         assert ctx is not None
         with record_function("fully_shard::post_forward"):
+            if self.training_state is TrainingState.PRE_BACKWARD:  # recomputation, see pre_forward
+                return self._cast_output(output)
             if self.group is not None and self.reshard_after_forward:
                 self.group.reshard(post_forward=type(self.reshard_after_forward) is int)
             self.training_state = TrainingState.IDLE
-            if self.mp_policy.output_dtype is not None:
-                output = _cast_floating(output, self.mp_policy.output_dtype)
+            output = self._cast_output(output)
             if torch.is_grad_enabled():
                 self._post_forward_index = len(ctx.post_forward_order)
                 ctx.post_forward_order.append(self)
@@ -208,6 +216,10 @@ class FSDPState:
             if self.is_root:
                 self._root_post_forward()
         return output
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        return output if dtype is None else _map_tensors(_floating_cast(dtype), output)
 
     def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.ctx
@@ -350,26 +362,62 @@ class FSDPState:
         return tree_unflatten(leaves, spec)
 
     def _hook_outputs(self, output: Any) -> Any:
-        leaves, _ = tree_flatten(output)
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        def hook(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
                 t.register_hook(self._pre_backward_hook)
+            return t
+
+        _map_tensors(hook, output)
         return output
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.pre_backward()
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    leaves, spec = tree_flatten(tree)
-    cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
-    return tree_unflatten(cast, spec)
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists, dicts (``ModelOutput`` too),
+    namedtuples and dataclasses, rebuilding containers only where a tensor changed."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            new = _map_tensors(fn, value)
+            if new is not value:
+                changes[f.name] = new
+        if not changes:
+            return obj
+        if all(f.init for f in dataclasses.fields(obj) if f.name in changes):
+            return dataclasses.replace(obj, **changes)
+        for name, value in changes.items():  # fields outside __init__: set in place
+            object.__setattr__(obj, name, value)
+        return obj
+    if isinstance(obj, dict):
+        items = {k: _map_tensors(fn, v) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        try:
+            return type(obj)(items)
+        except TypeError:  # a dict subclass that cannot be rebuilt: update in place
+            obj.update(items)
+            return obj
+    if isinstance(obj, (list, tuple)):
+        items = [_map_tensors(fn, v) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)
+    return obj
+
+
+def _floating_cast(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t.to(dtype) if t.is_floating_point() else t
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
-    leaves, spec = tree_flatten(tree)
-    moved = [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in leaves]
-    return tree_unflatten(moved, spec)
+    return _map_tensors(lambda t: t.to(device, non_blocking=True), tree)
 
 
 def state_of(module: nn.Module) -> FSDPState:

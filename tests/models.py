@@ -25,6 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -83,6 +86,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.logit_scale = nn.Parameter(torch.ones(1))
+
+    def reset_parameters(self) -> None:
+        """The root's own tensors (children reset themselves)."""
+        nn.init.ones_(self.logit_scale)
+        self.pos.copy_(torch.linspace(0, 1, self.args.max_seq_len).unsqueeze(-1))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) + self.pos[: tokens.shape[1]]  # (B, T, C)
