@@ -10,7 +10,7 @@ from typing import Any, Callable, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from .group import ParamGroup
 from .mesh import mesh_info_for, post_forward_info
@@ -150,7 +150,39 @@ def fully_shard(
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
+    if group is not None:
+        _register_state_dict_hooks(group)
     return module
+
+
+def _register_state_dict_hooks(group: ParamGroup) -> None:
+    """``load_state_dict`` of full tensors, and ``assign=True``, for sharded parameters.
+
+    Before loading, a full (plain) tensor under a sharded parameter's key becomes this
+    rank's shard; after an ``assign=True`` load, the newly assigned DTensor parameter
+    becomes the group's sharded parameter.
+    """
+    by_module: dict[int, tuple[nn.Module, dict[str, ShardedParam]]] = {}
+    for sp in group.params:
+        for m, name in sp.uses:
+            by_module.setdefault(id(m), (m, {}))[1][name] = sp
+    for module, params in by_module.values():
+
+        def pre_hook(m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params) -> None:
+            for name, sp in params.items():
+                key = prefix + name
+                value = state_dict.get(key)
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    state_dict[key] = sp.full_to_sharded(value, key)
+
+        def post_hook(m: nn.Module, incompatible: Any, params: dict[str, ShardedParam] = params) -> None:
+            for name, sp in params.items():
+                current = m._parameters.get(name)
+                if current is not None and current is not sp.sharded_param and isinstance(current, DTensor):
+                    sp.adopt(current)
+
+        module.register_load_state_dict_pre_hook(pre_hook)
+        module.register_load_state_dict_post_hook(post_hook)
 
 
 def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None, param: nn.Parameter, fqn: str) -> int:

@@ -22,6 +22,23 @@ _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_singl
 _AVG_SAFE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
+class CollectiveError(RuntimeError):
+    """A collective of fully_shard failed or timed out, usually because another rank failed."""
+
+
+def _wait(work: dist.Work, what: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"fully_shard: the {what} did not complete: {e}\n"
+            "Another rank has probably failed or stopped issuing the same collectives; this "
+            "rank waits for it up to the process group's timeout (init_process_group(timeout=...)). "
+            "If every rank caught an exception in the same iteration, call reset_iter_state() "
+            "on the root module and carry on; otherwise restart from the last checkpoint."
+        ) from e
+
+
 @dataclass
 class AllGatherWork:
     """An all-gather in flight: its buffers are held here until ``wait`` returns."""
@@ -30,10 +47,11 @@ class AllGatherWork:
     input: torch.Tensor  # 1-D, this rank's packed shards
     output: torch.Tensor  # 1-D, world_size * input.numel(), rank-major
     world_size: int
+    what: str = "all-gather"  # for error messages
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            _wait(self.work, self.what)
             self.work = None
         return self.output
 
@@ -47,18 +65,20 @@ class ReduceScatterWork:
     output: torch.Tensor  # 1-D, this rank's reduced (and pre-divided) flat shard
     post_divide: float | None  # applied once every reduction, all-reduce included, is done
     all_reduce_op: dist.ReduceOp.RedOpType  # HSDP: the op for the all-reduce across replicas
+    what: str = "reduce-scatter"  # for error messages
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            _wait(self.work, self.what)
             self.work = None
         self.input = None
         return self.output
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str) -> None:
     """HSDP: reduce the reduce-scatter output across replicas, in place."""
-    dist.all_reduce(tensor, op=op, group=group)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    _wait(work, what)
 
 
 def all_gather(
@@ -69,6 +89,7 @@ def all_gather(
     dtype: torch.dtype,
     device: torch.device,
     async_op: bool,
+    what: str = "all-gather",
 ) -> AllGatherWork:
     """Pack ``shards`` (each padded to its ``shard_numels`` entry) and all-gather them.
 
@@ -85,9 +106,9 @@ def all_gather(
     out = torch.empty(total * world_size, dtype=dtype, device=device)
     if world_size == 1:
         out.copy_(inp)
-        return AllGatherWork(None, inp, out, world_size)
+        return AllGatherWork(None, inp, out, world_size, what)
     work = getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)
-    return AllGatherWork(work, inp, out, world_size)
+    return AllGatherWork(work, inp, out, world_size, what)
 
 
 def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
@@ -135,6 +156,7 @@ def reduce_scatter(
     dtype: torch.dtype,
     divide_factor: float | None,
     async_op: bool,
+    what: str = "reduce-scatter",
 ) -> ReduceScatterWork:
     """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard.
 
@@ -154,4 +176,4 @@ def reduce_scatter(
         work = None
     else:
         work = getattr(dist, _REDUCE_SCATTER)(out, inp.view(-1), op=op, group=group, async_op=async_op)
-    return ReduceScatterWork(work, inp, out, post, op)
+    return ReduceScatterWork(work, inp, out, post, op, what)

@@ -71,6 +71,7 @@ class ParamGroup:
                     bucket[0].unsharded_dtype,
                     self.device,
                     async_op=True,
+                    what=f"all-gather of {self.label}'s parameters",
                 )
                 for bucket in self._gather_buckets
             ]
@@ -87,6 +88,7 @@ class ParamGroup:
                     bucket[0].unsharded_dtype,
                     self.device,
                     async_op=True,
+                    what=f"backward all-gather of {self.label}'s parameters within {pf.size} ranks",
                 )
                 for bucket in self._gather_buckets
             ]
@@ -206,6 +208,7 @@ class ParamGroup:
                 bucket[0].reduce_dtype,
                 self.gradient_divide_factor,
                 async_op=True,
+                what=f"reduce-scatter of {self.label}'s gradients",
             )
             reductions.append((work, bucket))
         all_reduce = info.replicate_group is not None and self.requires_all_reduce
@@ -224,7 +227,7 @@ class ParamGroup:
                 if not pending.all_reduce:
                     self._partials[key] = output  # reduced within the shard group only
                     continue
-                comm.all_reduce(output, info.replicate_group, work.all_reduce_op)
+                comm.all_reduce(output, info.replicate_group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients")
             if work.post_divide is not None and work.post_divide != 1:
                 output.div_(work.post_divide)
             offset = 0

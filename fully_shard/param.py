@@ -163,6 +163,35 @@ class ShardedParam:
             return full[self.row_start : self.row_start + self.local_rows]
         return full.chunk(self.mesh_info.shard_size, dim=self.shard_dim)[self.mesh_info.shard_rank]
 
+    def full_to_sharded(self, full: torch.Tensor, key: str) -> DTensor:
+        """A full tensor loaded into this parameter, as this rank's shard (a DTensor)."""
+        if self.tp_spec is not None:
+            raise ValueError(
+                f"load_state_dict: {key!r} is a tensor-parallel parameter; load it as a DTensor "
+                "(e.g. through torch.distributed.checkpoint), not as a full tensor"
+            )
+        if full.shape != self.size:
+            raise ValueError(
+                f"load_state_dict: {key!r} has shape {tuple(full.shape)}, the parameter "
+                f"{tuple(self.size)}"
+            )
+        local = self.local_part(full).to(device=self.local_shard.device, dtype=self.dtype)
+        return self.to_sharded_dtensor(local.contiguous())
+
+    def adopt(self, param: DTensor) -> None:
+        """``load_state_dict(assign=True)`` registered ``param``: make it the sharded one."""
+        if param.placements != self._spec.placements or param.shape != self.sharded_param.shape:
+            raise ValueError(
+                f"load_state_dict(assign=True): {self.fqn!r} got a DTensor with placements "
+                f"{param.placements} and shape {tuple(param.shape)}; fully_shard laid it out as "
+                f"{self._spec.placements} with shape {tuple(self.sharded_param.shape)}"
+            )
+        if not isinstance(param, nn.Parameter):
+            param = nn.Parameter(param, requires_grad=self.sharded_param.requires_grad)
+        self.sharded_param = param
+        self.register(unsharded=False)
+        self.refresh_after_apply()
+
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter."""
         return DTensor(local, self._spec, requires_grad=False)

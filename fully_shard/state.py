@@ -161,6 +161,7 @@ class FSDPState:
                 state.reshard_after_forward = not state.is_root
             if state.group is not None:
                 prefix = names[id(state)]
+                state.group.label = prefix or f"{type(self.modules[0]).__name__} (root)"
                 for p in state.group.params:
                     p.fqn = f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn
         for state in states:
