@@ -11,6 +11,7 @@ import torch
 from . import comm
 from .mesh import MeshInfo, PostForwardInfo
 from .param import ShardedParam
+from .streams import Streams
 
 
 class GroupState(Enum):
@@ -46,6 +47,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self._gather_buckets = _buckets(params, lambda p: p.unsharded_dtype)
         self._all_gathers: list[comm.AllGatherWork] = []  # in flight while UNSHARDING
+        self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
         # HSDP with the all-reduce off: reduce-scatter outputs awaiting the all-reduce
         self._partials: dict[tuple[int, ...], torch.Tensor] = {}
         # user controls (FSDPModule setters)
@@ -56,13 +58,28 @@ class ParamGroup:
         # set by pre-forward under grad mode; cleared once post-backward has run
         self.needs_post_backward = False
 
+    def _streams(self) -> Streams:
+        if self.streams is None:  # used before any root forward (e.g. an explicit unshard())
+            self.streams = Streams(self.device)
+        return self.streams
+
     # -- unshard / reshard ---------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (no-op unless sharded); wait for it unless ``async_op``."""
+        if self.state in (GroupState.SHARDED, GroupState.POST_FORWARD):
+            streams = self._streams()
+            streams.release_all_gather()  # the copy-in stream may now reuse the last output
+            with streams.use("copy_in"):  # pack, then issue from there: the collective waits for it
+                self._all_gathers = self._issue_all_gathers()
+            self.state = GroupState.UNSHARDING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _issue_all_gathers(self) -> list[comm.AllGatherWork]:
         if self.state is GroupState.SHARDED:
             info = self.mesh_info
-            self._all_gathers = [
+            return [
                 comm.all_gather(
                     [p.local_shard for p in bucket],
                     [p.shard_numel for p in bucket],
@@ -75,41 +92,37 @@ class ParamGroup:
                 )
                 for bucket in self._gather_buckets
             ]
-            self.state = GroupState.UNSHARDING
-        elif self.state is GroupState.POST_FORWARD:
-            pf = self.post_forward
-            assert pf is not None
-            self._all_gathers = [
-                comm.all_gather(
-                    [p.post_forward_slice for p in bucket],  # type: ignore[misc]
-                    [p.post_forward_numel(pf.size) for p in bucket],
-                    pf.group,
-                    pf.size,
-                    bucket[0].unsharded_dtype,
-                    self.device,
-                    async_op=True,
-                    what=f"backward all-gather of {self.label}'s parameters within {pf.size} ranks",
-                )
-                for bucket in self._gather_buckets
-            ]
-            for p in self.params:
-                p.post_forward_slice = None
-            self.state = GroupState.UNSHARDING
-        if not async_op:
-            self.wait_for_unshard()
+        pf = self.post_forward
+        assert pf is not None
+        works = [
+            comm.all_gather(
+                [p.post_forward_slice for p in bucket],  # type: ignore[misc]
+                [p.post_forward_numel(pf.size) for p in bucket],
+                pf.group,
+                pf.size,
+                bucket[0].unsharded_dtype,
+                self.device,
+                async_op=True,
+                what=f"backward all-gather of {self.label}'s parameters within {pf.size} ranks",
+            )
+            for bucket in self._gather_buckets
+        ]
+        for p in self.params:
+            p.post_forward_slice = None  # packed into the all-gather input
+        return works
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and point the modules at full parameters."""
         if self.state is not GroupState.UNSHARDING:
             return
         for bucket, work in zip(self._gather_buckets, self._all_gathers):
-            output = work.wait()
+            output = work.wait()  # the current stream waits for the collective
             world = work.world_size
             for p in bucket:
                 p.alloc_unsharded()
             dests = [p.gather_dest(world) for p in bucket]
             comm.copy_out(output, world, [p.unsharded_numel // world for p in bucket], dests)
-        self._all_gathers = []
+        self._hold_all_gathers()
         for p in self.params:
             p.register(unsharded=True)
         self.state = GroupState.UNSHARDED
@@ -123,7 +136,7 @@ class ParamGroup:
         if self.state is GroupState.UNSHARDING:
             for work in self._all_gathers:
                 work.wait()  # the collective must complete before its buffers go
-            self._all_gathers = []
+            self._hold_all_gathers()
             self.state = GroupState.UNSHARDED
         keep = post_forward and self.post_forward is not None and self.state is GroupState.UNSHARDED
         if self.state is GroupState.UNSHARDED:
@@ -138,6 +151,12 @@ class ParamGroup:
         for p in self.params:
             p.register(unsharded=False)
         self.state = GroupState.POST_FORWARD if keep else GroupState.SHARDED
+
+    def _hold_all_gathers(self) -> None:
+        """The all-gather buffers were last used on the current stream: keep them until the
+        copy-in stream has waited for that use (no-op without streams)."""
+        self._streams().hold_all_gather(*(t for w in self._all_gathers for t in (w.input, w.output)))
+        self._all_gathers = []
 
     def reset(self) -> None:
         """Back to SHARDED whatever happened, dropping in-flight buffers and partial grads."""
@@ -199,23 +218,40 @@ class ParamGroup:
             return None
         info = self.mesh_info
         reductions = []
-        for bucket in _buckets(with_grad, lambda p: p.reduce_dtype):  # one per reduce dtype
-            work = comm.reduce_scatter(
-                [p.grad_for_reduce(grads[id(p)]) for p in bucket],
-                info.shard_group,
-                info.shard_size,
-                info.replicate_size,
-                bucket[0].reduce_dtype,
-                self.gradient_divide_factor,
-                async_op=True,
-                what=f"reduce-scatter of {self.label}'s gradients",
-            )
-            reductions.append((work, bucket))
+        streams = self._streams()
+        streams.wait_for_current("reduce_scatter")  # the gradients were computed there
+        with streams.use("reduce_scatter"):
+            for bucket in _buckets(with_grad, lambda p: p.reduce_dtype):  # one per reduce dtype
+                reductions.append((self._reduce_scatter(bucket, grads), bucket))
         all_reduce = info.replicate_group is not None and self.requires_all_reduce
-        return PendingReduce(self, reductions, all_reduce)
+        # the gradients are read on the reduce-scatter stream: held until it is done with them
+        return PendingReduce(self, reductions, all_reduce, list(grads.values()))
+
+    def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[int, torch.Tensor]) -> comm.ReduceScatterWork:
+        info = self.mesh_info
+        return comm.reduce_scatter(
+            [p.grad_for_reduce(grads[id(p)]) for p in bucket],
+            info.shard_group,
+            info.shard_size,
+            info.replicate_size,
+            bucket[0].reduce_dtype,
+            self.gradient_divide_factor,
+            async_op=True,
+            what=f"reduce-scatter of {self.label}'s gradients",
+        )
 
     def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for a reduction; all-reduce across replicas (HSDP); add to the sharded grads."""
+        """Wait for a reduction; all-reduce across replicas (HSDP); add to the sharded grads.
+
+        Runs on the reduce-scatter stream; then the current stream waits for it, so the
+        optimizer sees the gradients and the held unsharded gradients may be freed."""
+        streams = self._streams()
+        with streams.use("reduce_scatter"):
+            self._finish_reduce(pending)
+        streams.current_waits(streams.record("reduce_scatter"))
+        pending.held = []
+
+    def _finish_reduce(self, pending: PendingReduce) -> None:
         info = self.mesh_info
         for work, params in pending.reductions:
             output = work.wait()  # 1-D, the packed padded shards of params
@@ -251,6 +287,7 @@ class PendingReduce:
     group: ParamGroup
     reductions: list[tuple[comm.ReduceScatterWork, list[ShardedParam]]]
     all_reduce: bool  # HSDP: whether to all-reduce across replicas when it lands
+    held: list[torch.Tensor]  # the unsharded gradients, read on the reduce-scatter stream
 
     def finish(self) -> None:
         self.group.finish_reduce(self)

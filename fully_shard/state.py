@@ -24,9 +24,9 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import streams
 from .group import GroupState, ParamGroup, PendingReduce
 from .policy import MixedPrecisionPolicy
+from .streams import Streams
 
 STATE_ATTR = "_fully_shard_state"
 
@@ -43,8 +43,9 @@ class TrainingState(Enum):
 class RootContext:
     """Bookkeeping shared by every state under one root, reset each iteration."""
 
-    def __init__(self, states: list[FSDPState]) -> None:
+    def __init__(self, states: list[FSDPState], streams: Streams) -> None:
         self.states = states  # module pre-order, root first
+        self.streams = streams  # shared by every group under the root
         self.forward_order: list[FSDPState] = []  # pre-forward order, this iteration
         self.prev_forward_order: list[FSDPState] = []  # ... of the last iteration: forward prefetch
         self.post_forward_order: list[FSDPState] = []  # reversed, the backward order
@@ -153,9 +154,11 @@ class FSDPState:
                     )
                 names[id(state)] = name
                 states.append(state)
-        ctx = RootContext(states)
+        ctx = RootContext(states, Streams(self.device))
         for state in states:
             state.ctx = ctx
+            if state.group is not None:
+                state.group.streams = ctx.streams
             state.is_root = state is self
             if state.reshard_after_forward is None:
                 state.reshard_after_forward = not state.is_root
@@ -225,7 +228,7 @@ class FSDPState:
     def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.ctx
         assert ctx is not None
-        streams.current_stream_wait(self.device, ctx.post_optim_event)
+        ctx.streams.wait_for_optimizer(ctx.post_optim_event)
         ctx.post_optim_event = None
         if ctx.forward_order:
             ctx.prev_forward_order = ctx.forward_order

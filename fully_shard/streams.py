@@ -1,8 +1,69 @@
-"""Device streams and events; every function is a no-op on devices without streams (CPU)."""
+"""Streams and events: the only file that knows whether a device has them.
+
+On a device with streams (CUDA and alike) fully_shard overlaps communication with compute:
+
+- all-gather copy-in runs on the ``copy_in`` stream (after waiting for whatever last wrote
+  the shards: the optimizer step, or ``set_post_optim_event``) and the all-gather is issued
+  from it, so the collective starts only once its input is packed;
+- the copy-out runs on the current stream, which first waits for the collective;
+- reduce-scatter and the HSDP all-reduce run on the ``reduce_scatter`` stream, after it
+  waits for the current stream (where autograd computed the gradients).
+
+No buffer is ever handed to ``Tensor.record_stream``: a buffer used on another stream than
+the one it was allocated on stays referenced by Python until an event proves its last
+consumer finished (``Held``). On the CPU every method is a no-op and the code path is the
+same. Tests inject a recording double through ``set_backend``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterator, Protocol
+
+
 import torch
+
+
+class Backend(Protocol):
+    """The stream operations fully_shard needs: the real one, or a recording test double."""
+
+    def current_stream(self, device: torch.device) -> Any: ...
+    def new_stream(self, device: torch.device, name: str) -> Any: ...
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
+    def wait_stream(self, waiter: Any, waited: Any) -> None: ...
+    def record_event(self, stream: Any) -> Any: ...
+    def wait_event(self, stream: Any, event: Any) -> None: ...
+
+
+class _TorchBackend:
+    """``torch.Stream`` / ``torch.Event`` through the generic accelerator API."""
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.accelerator.current_stream(device)
+
+    def new_stream(self, device: torch.device, name: str) -> Any:
+        return torch.Stream(device=device)
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return stream  # torch.Stream is a context manager that makes it current
+
+    def wait_stream(self, waiter: Any, waited: Any) -> None:
+        waiter.wait_stream(waited)
+
+    def record_event(self, stream: Any) -> Any:
+        return stream.record_event()
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+
+_backend_override: Backend | None = None
+
+
+def set_backend(backend: Backend | None) -> None:
+    """Tests: route every stream operation (on any device, the CPU too) through ``backend``."""
+    global _backend_override
+    _backend_override = backend
 
 
 def has_streams(device: torch.device) -> bool:
@@ -10,7 +71,76 @@ def has_streams(device: torch.device) -> bool:
     return device.type not in ("cpu", "meta")
 
 
-def current_stream_wait(device: torch.device, event: torch.Event | None) -> None:
-    """Make the current stream of ``device`` wait for ``event`` (the CPU has nothing to wait for)."""
-    if event is not None and has_streams(device):
-        torch.accelerator.current_stream(device).wait_event(event)
+class Held:
+    """Buffers kept alive until ``stream`` has waited for ``event`` (their last use)."""
+
+    def __init__(self, buffers: tuple[Any, ...], event: Any) -> None:
+        self.buffers = buffers
+        self.event = event
+
+
+class Streams:
+    """The side streams of one root, or no-ops on a device without streams."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        backend = _backend_override if _backend_override is not None else (_TorchBackend() if has_streams(device) else None)
+        self.backend = backend
+        self.enabled = backend is not None
+        if backend is not None:
+            self.copy_in = backend.new_stream(device, "copy_in")
+            self.reduce_scatter = backend.new_stream(device, "reduce_scatter")
+        self._held_all_gather: Held | None = None  # the last all-gather output, until copy-in may reuse it
+
+    def current(self) -> Any:
+        return self.backend.current_stream(self.device) if self.backend is not None else None
+
+    @contextlib.contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        """Make the named side stream current (no-op without streams)."""
+        if self.backend is None:
+            yield
+            return
+        with self.backend.use(getattr(self, name)):
+            yield
+
+    def wait_for_current(self, name: str) -> None:
+        """The named side stream waits for the work queued so far on the current stream."""
+        if self.backend is not None:
+            self.backend.wait_stream(getattr(self, name), self.current())
+
+    def current_waits(self, event: Any) -> None:
+        if self.backend is not None and event is not None:
+            self.backend.wait_event(self.current(), event)
+
+    def record(self, name: str | None = None) -> Any:
+        """An event after the work queued so far on the named stream (default: current)."""
+        if self.backend is None:
+            return None
+        return self.backend.record_event(self.current() if name is None else getattr(self, name))
+
+    def hold_all_gather(self, *buffers: Any) -> None:
+        """Keep an all-gather's buffers until the copy-in stream has waited for an event
+        recorded after their copy-out (on the current stream): the next copy-in may then
+        reuse the memory. Releases the previously held ones first (see ``release_all_gather``)."""
+        if self.backend is None:
+            return
+        self.release_all_gather()
+        self._held_all_gather = Held(buffers, self.record())
+
+    def release_all_gather(self) -> None:
+        """Before the copy-in stream allocates again: wait for the held buffers' last use,
+        then drop them."""
+        held, self._held_all_gather = self._held_all_gather, None
+        if held is not None and self.backend is not None:
+            self.backend.wait_event(self.copy_in, held.event)
+
+    def wait_for_optimizer(self, post_optim_event: Any) -> None:
+        """The first copy-in of an iteration waits for the optimizer step: for the user's
+        event if given, else for everything queued on the current stream."""
+        if self.backend is None:
+            return
+        if post_optim_event is not None:
+            self.backend.wait_event(self.copy_in, post_optim_event)
+        else:
+            self.wait_for_current("copy_in")
