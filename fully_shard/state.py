@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -29,6 +30,12 @@ from .policy import MixedPrecisionPolicy
 from .streams import Streams
 
 STATE_ATTR = "_fully_shard_state"
+
+
+def _not_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Keep a hook out of ``torch.compile`` graphs: it drives communication and Python state,
+    so a compiled block runs its body compiled and these hooks eagerly around it."""
+    return functools.wraps(fn)(torch.compiler.disable(fn, recursive=True))
 
 
 class TrainingState(Enum):
@@ -174,6 +181,7 @@ class FSDPState:
 
     # -- forward -----------------------------------------------------------------------
 
+    @_not_traced
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.lazy_init()
         ctx = self.ctx
@@ -203,6 +211,7 @@ class FSDPState:
                 args, kwargs = self._hook_inputs(args, kwargs)
         return args, kwargs
 
+    @_not_traced
     def post_forward(self, output: Any) -> Any:
         ctx = self.ctx
         assert ctx is not None
