@@ -10,6 +10,7 @@ from typing import Any, Callable, overload
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor, Shard
 
 from .group import ParamGroup
@@ -26,6 +27,7 @@ class _Owner:
     parameter whether it runs top-down or ties parameters across groups."""
 
     def __init__(self, sharded: ShardedParam, original: torch.Tensor, modules: tuple[nn.Module, ...], label: str) -> None:
+        self.fqn = sharded.local_fqn
         self.sharded = weakref.ref(sharded)
         self.original = weakref.ref(original)
         self.modules = [weakref.ref(m) for m in modules]
@@ -145,6 +147,7 @@ def fully_shard(
         owner = _Owner(sp, original, modules, label)
         _OWNERS[id(original)] = _OWNERS[id(sp.sharded_param)] = owner
         sp.register(unsharded=False)
+    _install_optimizer_check()
     group = ParamGroup(sharded, mesh_info, device, label, post_forward) if sharded else None
     state = FSDPState(modules, group, device, reshard_after_forward, mp_policy)
     for m in modules:
@@ -153,6 +156,33 @@ def fully_shard(
     if group is not None:
         _register_state_dict_hooks(group)
     return module
+
+
+_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_optimizer_hook: Any = None
+
+
+def _install_optimizer_check() -> None:
+    """Once: before each optimizer's first step, refuse parameters fully_shard replaced."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _checked_optimizers:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = _OWNERS.get(id(p))
+            if owner is not None and p is owner.original():
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter {owner.fqn!r} of {owner.label} as "
+                    "it was before fully_shard replaced it with a sharded DTensor: this step would "
+                    "update a tensor the model no longer uses. Build the optimizer after "
+                    "fully_shard, from model.parameters()."
+                )
+    _checked_optimizers.add(optimizer)
 
 
 def _register_state_dict_hooks(group: ParamGroup) -> None:
@@ -340,6 +370,15 @@ class FSDPModule:
             if state is not None:
                 states.setdefault(id(state), state)
         return list(states.values())
+
+    def no_sync(self) -> Any:
+        """DDP's ``no_sync()`` does not exist here; raises with the fully_shard equivalent."""
+        raise RuntimeError(
+            f"{type(self).__name__} is sharded by fully_shard, which has no no_sync() context "
+            "(that is DistributedDataParallel's). To accumulate gradients without reducing them, "
+            "call model.set_requires_gradient_sync(False) before the accumulating backwards and "
+            "model.set_requires_gradient_sync(True) before the last one."
+        )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty(), to(dtype), double(): act on the sharded parameters, then follow them

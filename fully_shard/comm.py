@@ -9,7 +9,9 @@ gradients into one flat input and leaves each rank with its own flat shard.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,78 @@ _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_singl
 
 # dtypes whose sum over ranks is safe from overflow: reduced with ReduceOp.AVG directly
 _AVG_SAFE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+@dataclass
+class CollectiveEvent:
+    """One collective fully_shard issued, for observers (``fully_shard.tools.trace_comm``)."""
+
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    what: str  # e.g. "all-gather of layers.0's parameters"
+    group_size: int
+    nbytes: int  # this rank's input bytes
+    backward: bool  # issued while autograd ran backward
+    start: float  # time.perf_counter() at issue
+    end: float | None = None  # ... when its wait returned (on accelerators: CPU-side time)
+
+
+_observers: list[Callable[[CollectiveEvent], None]] = []
+_debug_counts: dict[int, int] | None = None  # debug mode: collectives issued per group
+
+
+def add_observer(fn: Callable[[CollectiveEvent], None]) -> None:
+    """Call ``fn`` with every collective fully_shard completes (until removed)."""
+    _observers.append(fn)
+
+
+def remove_observer(fn: Callable[[CollectiveEvent], None]) -> None:
+    _observers.remove(fn)
+
+
+def set_debug(enabled: bool) -> None:
+    """Debug mode: before each collective, ranks exchange what they are about to issue and
+    raise on the first divergence instead of hanging in mismatched collectives."""
+    global _debug_counts
+    _debug_counts = {} if enabled else None
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Debug mode found that the ranks of a group are about to issue different collectives."""
+
+
+def _check_same_everywhere(group: dist.ProcessGroup, fingerprint: tuple[Any, ...]) -> None:
+    assert _debug_counts is not None
+    index = _debug_counts.get(id(group), 0)
+    _debug_counts[id(group)] = index + 1
+    gathered: list[Any] = [None] * group.size()
+    dist.all_gather_object(gathered, fingerprint, group=group)
+    if any(f != gathered[0] for f in gathered):
+        ranks = dist.get_process_group_ranks(group)
+        lines = "\n".join(f"  rank {r}: {f[0]} {f[1]!r}, {f[2]} elements of {f[3]}" for r, f in zip(ranks, gathered))
+        raise CollectiveMismatchError(
+            f"fully_shard debug mode: collective #{index} of the group of ranks {ranks} differs "
+            f"across ranks:\n{lines}\nEvery rank must run the same modules in the same order "
+            "(data-dependent control flow around fully_shard modules, or a module used on some "
+            "ranks only, makes them diverge)."
+        )
+
+
+def _issue(kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, call: Callable[[], Any]) -> tuple[Any, CollectiveEvent | None]:
+    """Issue a collective, checked (debug mode) and observed (traces)."""
+    if _debug_counts is not None:
+        _check_same_everywhere(group, (kind, what, inp.numel(), str(inp.dtype)))
+    event = None
+    if _observers:
+        backward = torch._C._current_graph_task_id() != -1
+        event = CollectiveEvent(kind, what, group.size(), inp.numel() * inp.element_size(), backward, time.perf_counter())
+    return call(), event
+
+
+def _finish(event: CollectiveEvent | None) -> None:
+    if event is not None:
+        event.end = time.perf_counter()
+        for fn in list(_observers):
+            fn(event)
 
 
 class CollectiveError(RuntimeError):
@@ -48,11 +122,13 @@ class AllGatherWork:
     output: torch.Tensor  # 1-D, world_size * input.numel(), rank-major
     world_size: int
     what: str = "all-gather"  # for error messages
+    event: CollectiveEvent | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             _wait(self.work, self.what)
             self.work = None
+            _finish(self.event)
         return self.output
 
 
@@ -66,19 +142,22 @@ class ReduceScatterWork:
     post_divide: float | None  # applied once every reduction, all-reduce included, is done
     all_reduce_op: dist.ReduceOp.RedOpType  # HSDP: the op for the all-reduce across replicas
     what: str = "reduce-scatter"  # for error messages
+    event: CollectiveEvent | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             _wait(self.work, self.what)
             self.work = None
+            _finish(self.event)
         self.input = None
         return self.output
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str) -> None:
     """HSDP: reduce the reduce-scatter output across replicas, in place."""
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    work, event = _issue("all_reduce", what, group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
     _wait(work, what)
+    _finish(event)
 
 
 def all_gather(
@@ -107,8 +186,8 @@ def all_gather(
     if world_size == 1:
         out.copy_(inp)
         return AllGatherWork(None, inp, out, world_size, what)
-    work = getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)
-    return AllGatherWork(work, inp, out, world_size, what)
+    work, event = _issue("all_gather", what, group, inp, lambda: getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op))
+    return AllGatherWork(work, inp, out, world_size, what, event)
 
 
 def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
@@ -173,7 +252,13 @@ def reduce_scatter(
     out = torch.empty(inp.shape[1], dtype=dtype, device=inp.device)
     if world_size == 1:
         out.copy_(inp.view(-1))
-        work = None
-    else:
-        work = getattr(dist, _REDUCE_SCATTER)(out, inp.view(-1), op=op, group=group, async_op=async_op)
-    return ReduceScatterWork(work, inp, out, post, op, what)
+        return ReduceScatterWork(None, inp, out, post, op, what)
+    flat = inp.view(-1)
+    work, event = _issue(
+        "reduce_scatter",
+        what,
+        group,
+        flat,
+        lambda: getattr(dist, _REDUCE_SCATTER)(out, flat, op=op, group=group, async_op=async_op),
+    )
+    return ReduceScatterWork(work, inp, out, post, op, what, event)

@@ -122,6 +122,8 @@ class ParamGroup:
                 p.alloc_unsharded()
             dests = [p.gather_dest(world) for p in bucket]
             comm.copy_out(output, world, [p.unsharded_numel // world for p in bucket], dests)
+            for p in bucket:
+                p.note_unsharded_version()
         self._hold_all_gathers()
         for p in self.params:
             p.register(unsharded=True)
@@ -140,6 +142,8 @@ class ParamGroup:
             self.state = GroupState.UNSHARDED
         keep = post_forward and self.post_forward is not None and self.state is GroupState.UNSHARDED
         if self.state is GroupState.UNSHARDED:
+            for p in self.params:
+                p.check_unsharded_version()
             for p in self.params:
                 if keep:
                     assert self.post_forward is not None

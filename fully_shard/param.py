@@ -107,6 +107,7 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
         self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
+        self._unsharded_version = 0  # the unsharded parameter's version counter after its copy-out
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
@@ -244,6 +245,22 @@ class ShardedParam:
         """Keep this rank's 1/k of the padded full parameter before it is freed."""
         assert self._padded_unsharded is not None
         self.post_forward_slice = self._padded_unsharded.view(k, -1)[index].clone()
+
+    def note_unsharded_version(self) -> None:
+        assert self.unsharded_param is not None
+        self._unsharded_version = self.unsharded_param._version
+
+    def check_unsharded_version(self) -> None:
+        """Catch in-place changes to the full parameter, which would be lost on reshard."""
+        if self.unsharded_param is not None and self.unsharded_param._version != self._unsharded_version:
+            self.note_unsharded_version()
+            raise RuntimeError(
+                f"fully_shard: parameter {self.fqn!r} was modified in place while it was unsharded "
+                "(between its all-gather and its reshard, e.g. between forward and backward). "
+                "The change is not written back to the shard and would be lost. Modify "
+                "parameters outside forward/backward, where they are the sharded DTensors, e.g. "
+                "`with torch.no_grad(): p.mul_(0.5)` before the next forward."
+            )
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the tensor objects stay, so autograd's saved
