@@ -1,12 +1,29 @@
-"""Tools built on fully_shard's public API: communication trace, wrap policies, debug mode.
+"""Tools beyond torch's FSDP2, built on fully_shard's public API: the memory planner,
+communication trace, wrap policies and a collective debug mode.
 
 Example::
 
-    >>> from fully_shard.tools import apply_fully_shard, debug_collectives, trace_comm
+    >>> from fully_shard.tools import apply_fully_shard, debug_collectives, plan, trace_comm
+    >>> print(plan("llama3-8b", 64))
 """
 
 from .debug import CollectiveMismatchError, debug_collectives
+from .llama import PRESETS, Llama, LlamaArgs
+from .plan import GroupPlan, Plan, plan, shard_layout
 from .trace import CommTrace, trace_comm
 from .wrap import apply_fully_shard
 
-__all__ = ["apply_fully_shard", "trace_comm", "CommTrace", "debug_collectives", "CollectiveMismatchError"]
+__all__ = [
+    "plan",
+    "Plan",
+    "GroupPlan",
+    "shard_layout",
+    "Llama",
+    "LlamaArgs",
+    "PRESETS",
+    "apply_fully_shard",
+    "trace_comm",
+    "CommTrace",
+    "debug_collectives",
+    "CollectiveMismatchError",
+]
