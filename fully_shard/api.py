@@ -135,6 +135,8 @@ def fully_shard(
     ignored = set(ignored_params or ())
     label = ", ".join(type(m).__name__ for m in modules)
 
+    for key in [k for k, owner in _OWNERS.items() if owner.sharded() is None]:
+        del _OWNERS[key]  # models that are gone
     found = _collect_params(modules, ignored)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = offload and offload_policy.pin_memory  # type: ignore[attr-defined]

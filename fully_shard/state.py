@@ -57,7 +57,9 @@ class RootContext:
         self.prev_forward_order: list[FSDPState] = []  # ... of the last iteration: forward prefetch
         self.post_forward_order: list[FSDPState] = []  # reversed, the backward order
         self.callback_queued = False
-        self.pending_reduce: PendingReduce | None = None  # at most one reduction in flight
+        # the previous group's reduction, finished when the next one has been issued: at most
+        # two overlap, and each group's gradients are freed one group later
+        self.pending_reduce: PendingReduce | None = None
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
 
@@ -118,12 +120,14 @@ class FSDPState:
             return
         to_run: set[nn.Module] = set()
 
+        @_not_traced
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if not to_run:
                 to_run.update(self.modules)
                 return self._pre_forward_hook(module, args, kwargs)
             return None
 
+        @_not_traced
         def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
             to_run.discard(module)
             if not to_run:
@@ -134,9 +138,11 @@ class FSDPState:
             module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_hook, prepend=False)
 
+    @_not_traced
     def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         return self.pre_forward(args, kwargs)
 
+    @_not_traced
     def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         return self.post_forward(output)
 
@@ -171,7 +177,7 @@ class FSDPState:
                 state.reshard_after_forward = not state.is_root
             if state.group is not None:
                 prefix = names[id(state)]
-                state.group.label = prefix or f"{type(self.modules[0]).__name__} (root)"
+                state.group.label = prefix or f"{type(self.modules[0]).__name__.removeprefix('FSDP')} (root)"
                 for p in state.group.params:
                     p.fqn = f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn
         for state in states:
@@ -218,7 +224,8 @@ class FSDPState:
         with record_function("fully_shard::post_forward"):
             if self.training_state is TrainingState.PRE_BACKWARD:  # recomputation, see pre_forward
                 return self._cast_output(output)
-            if self.group is not None and self.reshard_after_forward:
+            if self.group is not None and (self.reshard_after_forward or not torch.is_grad_enabled()):
+                # without grad mode no backward will need the full parameters (eval, inference)
                 self.group.reshard(post_forward=type(self.reshard_after_forward) is int)
             self.training_state = TrainingState.IDLE
             output = self._cast_output(output)
