@@ -8,6 +8,7 @@ Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .init import broadcast_full_state_dict, materialize
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .tools.plan import plan
 
 __all__ = [
     "fully_shard",
@@ -20,6 +21,7 @@ __all__ = [
     # beyond torch's FSDP2
     "materialize",
     "broadcast_full_state_dict",
+    "plan",
 ]
 
 __version__ = "0.1.0"

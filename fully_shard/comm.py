@@ -244,9 +244,13 @@ def reduce_scatter(
     ``post_divide``.
     """
     op, pre, post = divide_factors(dtype, world_size * replicate_size, divide_factor)
-    grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
-    # (world_size, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded
-    inp = torch._chunk_cat(grads, dim=0, num_chunks=world_size)
+    if len({g.dtype for g in grads}) > 1:
+        grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
+    # (world_size, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded,
+    # cast to the reduce dtype on the way (no separate cast copy)
+    cols = sum(math.ceil(g.shape[0] / world_size) * math.prod(g.shape[1:]) for g in grads)
+    inp = torch.empty(world_size, cols, dtype=dtype, device=grads[0].device)
+    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=inp)
     if pre is not None and pre != 1:
         inp.div_(pre)
     out = torch.empty(inp.shape[1], dtype=dtype, device=inp.device)

@@ -210,10 +210,9 @@ class ParamGroup:
                 grad = p.accumulated_grad
             if grad is None:
                 continue
-            if grad.dtype != p.reduce_dtype:
-                grad = grad.to(p.reduce_dtype)
             if not self.requires_gradient_sync:
-                p.accumulated_grad = grad  # kept unsharded, in reduce dtype, until a synced backward
+                # kept unsharded, in the reduce dtype, until a synced backward
+                p.accumulated_grad = grad if grad.dtype == p.reduce_dtype else grad.to(p.reduce_dtype)
                 continue
             p.accumulated_grad = None
             with_grad.append(p)

@@ -8,10 +8,19 @@ Example::
 """
 
 from .debug import CollectiveMismatchError, debug_collectives
+from .llama import PRESETS, Llama, LlamaArgs
+from .plan import GroupPlan, Plan, plan, shard_layout
 from .trace import CommTrace, trace_comm
 from .wrap import apply_fully_shard
 
 __all__ = [
+    "plan",
+    "Plan",
+    "GroupPlan",
+    "shard_layout",
+    "Llama",
+    "LlamaArgs",
+    "PRESETS",
     "apply_fully_shard",
     "trace_comm",
     "CommTrace",

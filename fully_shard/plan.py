@@ -1,0 +1,27 @@
+"""``python -m fully_shard.plan``: the memory planner's command line (see fully_shard.tools.cli).
+
+``fully_shard.plan`` is the function :func:`fully_shard.tools.plan.plan`; this module only
+runs the command line. Should it be imported (which makes ``fully_shard.plan`` this module),
+calling it still plans.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from .tools.cli import main
+from .tools.plan import Plan
+from .tools.plan import plan as _plan
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
+        return _plan(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,133 @@
+"""``python -m fully_shard.plan``: the memory planner from the command line.
+
+    python -m fully_shard.plan --model llama3-8b --mesh 64 --param-dtype bf16 --reduce-dtype fp32
+    python -m fully_shard.plan --model llama3-70b --mesh 8,64 --json
+    python -m fully_shard.plan --model mypkg.models:build --mesh 16 --wrap Block
+
+Bad arguments print a message and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from . import llama
+from .plan import OPTIMIZERS, load_model, plan
+
+__all__ = ["main", "DTYPES"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fully_shard.plan",
+        description="Per-rank memory and communication of training a model under fully_shard, "
+        "computed from parameter shapes (the model is built on the meta device).",
+    )
+    p.add_argument("--model", required=True, metavar="NAME|MODULE:CONSTRUCTOR",
+                   help=f"a preset ({', '.join(llama.PRESETS)}) or package.module:Constructor "
+                   "(called with no arguments under torch.device('meta'))")
+    p.add_argument("--mesh", required=True, metavar="N|R,N",
+                   help="shard size N (FSDP), or R,N for HSDP (R replicas of an N-way shard)")
+    p.add_argument("--param-dtype", metavar="DTYPE", help="MixedPrecisionPolicy.param_dtype (bf16, fp16, fp32, ...)")
+    p.add_argument("--reduce-dtype", metavar="DTYPE", help="MixedPrecisionPolicy.reduce_dtype")
+    p.add_argument("--model-dtype", metavar="DTYPE",
+                   help="dtype of the (sharded) parameters; default: as the constructor builds them")
+    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
+    p.add_argument("--reshard-after-forward", metavar="true|false|K",
+                   help="for every fully_shard call; default: true except the root")
+    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy: sharded state in host memory")
+    p.add_argument("--wrap", metavar="CLASS[,CLASS...]",
+                   help="class names of the modules that get their own fully_shard call "
+                   "(default: the children of every ModuleList named 'layers')")
+    p.add_argument("--rank", type=int, default=0, help="the rank to plan for (default 0, which holds the most)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda: any device with streams (default); cpu: a CPU (gloo) mesh")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    return p
+
+
+def _dtype(parser: argparse.ArgumentParser, flag: str, value: str | None) -> torch.dtype | None:
+    if value is None:
+        return None
+    if value.lower() not in DTYPES:
+        parser.error(f"{flag}: unknown dtype {value!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[value.lower()]
+
+
+def _mesh(parser: argparse.ArgumentParser, value: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in value.split(","))
+    except ValueError:
+        shape = ()
+    if not 1 <= len(shape) <= 2 or any(s < 1 for s in shape):
+        parser.error(f"--mesh: expected N or R,N with positive integers, got {value!r}")
+    return shape
+
+
+def _reshard(parser: argparse.ArgumentParser, value: str | None) -> bool | int | None:
+    if value is None:
+        return None
+    low = value.lower()
+    if low in ("true", "yes", "1"):
+        return True
+    if low in ("false", "no", "0"):
+        return False
+    if low.isdigit():
+        return int(low)
+    parser.error(f"--reshard-after-forward: expected true, false or an integer, got {value!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    mesh = _mesh(parser, args.mesh)
+    mp = MixedPrecisionPolicy(
+        param_dtype=_dtype(parser, "--param-dtype", args.param_dtype),
+        reduce_dtype=_dtype(parser, "--reduce-dtype", args.reduce_dtype),
+    )
+    model_dtype = _dtype(parser, "--model-dtype", args.model_dtype)
+    reshard = _reshard(parser, args.reshard_after_forward)
+    try:
+        model, label = load_model(args.model)
+    except ValueError as e:
+        parser.error(f"--model: {e}")
+    if model_dtype is not None:
+        model = model.to(model_dtype)
+    wrap = None
+    if args.wrap:
+        names = {n.strip() for n in args.wrap.split(",") if n.strip()}
+        classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+        missing = names - {c.__name__ for c in classes}
+        if missing:
+            parser.error(f"--wrap: no module of class {', '.join(sorted(missing))} in {label}")
+        wrap = classes
+
+    def build() -> nn.Module:
+        return model
+
+    build.__qualname__ = label
+    offload = CPUOffloadPolicy() if args.offload else OffloadPolicy()
+    try:
+        result = plan(build, mesh, mp_policy=mp, offload_policy=offload, optimizer=args.optimizer,
+                      reshard_after_forward=reshard, wrap=wrap, rank=args.rank, device_type=args.device)
+    except ValueError as e:
+        parser.error(str(e))
+    print(result.to_json() if args.json else result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""The memory planner (fully_shard.plan) against real runs, fully_shard's own layout, and
+its command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from fully_shard import MixedPrecisionPolicy
+from fully_shard.tools.cli import main as cli_main
+from fully_shard.tools.plan import plan, shard_layout
+from tests.harness import run_distributed
+from tests.models import ModelArgs, Transformer, batch, loss_fn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# params dominate: ~2.9M parameters (11.6 MB fp32) against a (1, 4) batch
+BIG = ModelArgs(vocab_size=67, dim=256, n_layers=4, n_heads=4, ffn_dim=600, max_seq_len=4)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+
+
+def _big() -> Transformer:
+    return Transformer(BIG)
+
+
+def _small() -> Transformer:
+    return Transformer(ModelArgs())  # uneven: vocab 67, dim 100, ffn 150, logit_scale (1,)
+
+
+def _policy(param: str | None, reduce: str | None) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param], reduce_dtype=_DTYPES[reduce])
+
+
+def _shard(model: Transformer, **kwargs: Any) -> None:
+    from fully_shard import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+
+
+def _storage_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local part)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.to_local().untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+# ---------------------------------------------------------------------------
+# (1) the planned peak against a measured training step
+# ---------------------------------------------------------------------------
+
+
+def _measure_step_body(param: str | None, reduce: str | None, reshard: bool | None) -> dict[str, Any]:
+    from tests.live_storages import LiveStorages
+
+    rank = dist.get_rank()
+    model = _big()
+    _shard(model, mp_policy=_policy(param, reduce), reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = batch(0, rank, BIG, batch_size=1)
+
+    def step(mem: LiveStorages | None = None) -> None:
+        if mem is not None:
+            mem.phase("forward")
+        loss = loss_fn(model(tokens), tokens)
+        if mem is not None:
+            mem.phase("backward")
+        loss.backward()
+        if mem is not None:
+            mem.phase("optimizer")
+        opt.step()
+        opt.zero_grad()
+
+    step()  # optimizer state, unsharded buffers and the prefetch order exist from now on
+    mem = LiveStorages()
+    start = time.perf_counter()
+    with mem:
+        step(mem)
+    report = mem.report()
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+CONFIGS = {
+    "fp32": (None, None, None),
+    "bf16-fp32": ("bf16", "fp32", None),
+    "no-reshard": (None, None, False),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_planned_peak_matches_measured_step(config: str) -> None:
+    param, reduce, reshard = CONFIGS[config]
+    results = run_distributed(_measure_step_body, 2, param, reduce, reshard)
+    for rank, measured in enumerate(results):
+        planned = plan(_big, 2, mp_policy=_policy(param, reduce), reshard_after_forward=reshard,
+                       rank=rank, device_type="cpu")
+        error = planned.peak_bytes / measured["model_state"] - 1
+        print(
+            f"[{config}] rank {rank}: planned {planned.peak_bytes} B at {planned.peak_at}; measured "
+            f"params+grads+optimizer+in-flight {measured['model_state']} B ({error:+.2%}) at "
+            f"{measured['at_model_state_peak']['phase']}; activations peak {measured['activations']} B, "
+            f"{measured['at_model_state_peak']['activations']} B at that moment; gloo-internal peak "
+            f"{measured['backend']} B; all storages peak {measured['total']} B; tracked step "
+            f"{measured['seconds']:.2f} s"
+        )
+        assert abs(error) <= 0.05, (config, rank, planned.peak_bytes, measured)
+        assert measured["activations"] < 0.05 * measured["total"], measured  # params dominate here
+
+
+# ---------------------------------------------------------------------------
+# (2) sharded bytes per rank: the plan against the real sharded model
+# ---------------------------------------------------------------------------
+
+
+def _sharded_state_body(param: str | None, reduce: str | None) -> dict[str, int]:
+    rank = dist.get_rank()
+    model = _small()
+    _shard(model, mp_policy=_policy(param, reduce))
+    params = list(model.parameters())
+    out = {"params": _storage_bytes(params)}
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    loss_fn(model(batch(0, rank)), batch(0, rank)).backward()
+    out["grads"] = _storage_bytes([p.grad for p in params])  # views of reduce-scatter outputs
+    opt.step()
+    out["optimizer"] = _storage_bytes([s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_bytes_equal_fully_shard(world_size: int) -> None:
+    results = run_distributed(_sharded_state_body, world_size, None, None)
+    for rank, real in enumerate(results):
+        p = plan(_small, world_size, rank=rank, device_type="cpu")
+        assert (p.sharded_param_bytes, p.grad_bytes, p.optimizer_bytes) == (
+            real["params"], real["grads"], real["optimizer"]), (rank, real)
+    assert results[0]["params"] > results[-1]["params"]  # uneven rows: the last rank holds less
+
+
+def test_sharded_bytes_equal_fully_shard_mixed_precision() -> None:
+    # bf16 reduce: the fp32 sharded gradients are copies of this rank's rows, not views
+    results = run_distributed(_sharded_state_body, 2, "bf16", "bf16")
+    for rank, real in enumerate(results):
+        p = plan(_small, 2, mp_policy=_policy("bf16", "bf16"), rank=rank, device_type="cpu")
+        assert (p.sharded_param_bytes, p.grad_bytes, p.optimizer_bytes) == (
+            real["params"], real["grads"], real["optimizer"]), (rank, real)
+
+
+_FAKE_PG_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from fully_shard import fully_shard
+    from fully_shard.tools.plan import load_model
+
+    out = []
+    for model_name, world, rank in json.loads(sys.argv[1]):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        model, _ = load_model(model_name)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        local = {n: p.to_local().numel() for n, p in model.named_parameters()}
+        out.append([model_name, world, rank, {n: [shapes[n], local[n]] for n in shapes}])
+        dist.destroy_process_group()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_analytic_local_numels_equal_fully_shard_under_fake_pg() -> None:
+    """fully_shard on the meta model under a fake process group: every parameter's local
+    numel equals shard_layout's, and the plan's total, at sizes no CPU test could run."""
+    cases = [["tests.test_plan:_small", w, r] for w in (2, 4) for r in range(w)]
+    cases += [["llama3-8b", 64, 0], ["llama3-8b", 64, 63], ["tests.test_plan:_small", 64, 63]]
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAKE_PG_SCRIPT, json.dumps(cases)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert proc.returncode == 0, proc.stderr
+    for model_name, world, rank, params in json.loads(proc.stdout):
+        for name, (shape, local) in params.items():
+            assert shard_layout(shape, world, rank)[0] == local, (model_name, world, rank, name)
+        p = plan(model_name, world, rank=rank)
+        itemsize = 4  # fp32 models
+        assert p.sharded_param_bytes == itemsize * sum(local for _, local in params.values())
+
+
+# ---------------------------------------------------------------------------
+# (3) the command line
+# ---------------------------------------------------------------------------
+
+
+def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fully_shard.plan", "--model", "llama3-8b", "--mesh", "64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "layers.0-31" in proc.stdout and "peak on device" in proc.stdout, proc.stdout
+
+    assert cli_main(["--model", "llama3-8b", "--mesh", "64", "--param-dtype", "bf16",
+                     "--reduce-dtype", "fp32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mesh_shape"] == [64] and data["num_params"] == 8_030_261_248
+    assert data["param_dtype"] == "bfloat16" and data["reduce_dtype"] == "float32"
+    assert len(data["groups"]) == 33 and data["peak_bytes"] > data["device_state_bytes"]
+
+    assert cli_main(["--model", "llama3-8b", "--mesh", "8,64", "--json"]) == 0  # HSDP
+    data = json.loads(capsys.readouterr().out)
+    assert data["replicate_size"] == 8 and data["all_reduces"] == 33
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "llama3-8b", "--mesh", "64", "--bogus"], "unrecognized arguments"),
+        (["--model", "llama3-8b", "--mesh", "8,x"], "--mesh"),
+        (["--model", "llama3-8b", "--mesh", "64", "--optimizer", "lion"], "invalid choice"),
+        (["--model", "llama3-8b", "--mesh", "64", "--param-dtype", "fp12"], "unknown dtype"),
+        (["--model", "llama3-9b", "--mesh", "64"], "unknown model"),
+        (["--model", "llama3-8b", "--mesh", "64", "--reshard-after-forward", "5"], "divisor"),
+        (["--model", "llama3-8b", "--mesh", "64", "--wrap", "Bogus"], "--wrap"),
+    ],
+)
+def test_cli_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_bad_flag_exits_2_as_a_process() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fully_shard.plan", "--model", "llama3-8b", "--mesh", "64", "--bogus"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2 and "unrecognized arguments: --bogus" in proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# (4) speed, and the analytic model's own consistency
+# ---------------------------------------------------------------------------
+
+
+def test_plan_405b_at_1024_ranks_is_fast() -> None:
+    start = time.perf_counter()
+    p = plan("llama3-405b", 1024, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    elapsed = time.perf_counter() - start
+    print(f"plan(llama3-405b, 1024): {elapsed:.2f} s")
+    assert elapsed < 10, elapsed
+    assert p.num_params == 405_853_388_800 and len(p.groups) == 127
+    # rank 0 of 1024 holds ceil(rows / 1024) rows of everything
+    assert p.sharded_param_bytes == 4 * sum(
+        shard_layout(s, 1024, 0)[0] * c for s, c in _llama_shapes(16384, 53248, 1024, 126)
+    )
+
+
+def _llama_shapes(dim: int, ffn: int, kv: int, layers: int) -> list[tuple[tuple[int, ...], int]]:
+    vocab = 128256
+    block = [((dim,), 2), ((dim, dim), 2), ((kv, dim), 2), ((ffn, dim), 2), ((dim, ffn), 1)]
+    return [((vocab, dim), 2), ((dim,), 1)] + [(s, c * layers) for s, c in block]
+
+
+def test_plan_accepts_models_and_checks_arguments() -> None:
+    with torch.device("meta"):
+        model = _small()
+    by_model, by_ctor = plan(model, 4), plan(_small, (4,))
+    assert by_model.to_dict() | {"model": ""} == by_ctor.to_dict() | {"model": ""}
+    hsdp = plan(_small, (2, 4))
+    assert hsdp.sharded_param_bytes == by_ctor.sharded_param_bytes and hsdp.all_reduces == 4
+    with pytest.raises(ValueError, match="meta"):
+        plan(_small(), 2)
+    with pytest.raises(ValueError, match="mesh_shape"):
+        plan(_small, (2, 2, 2))
+    with pytest.raises(ValueError, match="optimizer"):
+        plan(_small, 2, optimizer="lion")
+    # wrap: classes or a callable; the root always gets the rest
+    from tests.models import Block, FeedForward
+
+    assert [g.name for g in plan(_small, 2, wrap={FeedForward}).groups] == [
+        "(root)", "layers.0.feed_forward", "layers.1.feed_forward", "layers.2.feed_forward"]
+    assert len(plan(_small, 2, wrap=lambda m: isinstance(m, Block)).groups) == 4
+    offload = plan(_small, 2, offload_policy=__import__("fully_shard").CPUOffloadPolicy())
+    assert offload.host_bytes == offload.sharded_param_bytes + offload.grad_bytes + offload.optimizer_bytes
+    assert offload.device_state_bytes == offload.buffer_bytes
