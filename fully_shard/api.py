@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor, Shard
 
-from .group import ParamGroup
+from .group import GroupState, ParamGroup
 from .mesh import mesh_info_for, post_forward_info
 from .param import ShardedParam
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -215,6 +215,26 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
 
         module.register_load_state_dict_pre_hook(pre_hook)
         module.register_load_state_dict_post_hook(post_hook)
+
+    def save_pre_hook(m: nn.Module, prefix: str, keep_vars: bool) -> None:
+        # between forward and backward the full parameters are registered: save the shards
+        if group.is_unsharded:
+            for sp in group.params:
+                sp.register(unsharded=False)
+
+    def save_post_hook(m: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        if group.is_unsharded:
+            for sp in group.params:
+                sp.register(unsharded=True)
+
+    def load_pre_hook(m: nn.Module, *args: Any) -> None:
+        if group.state is not GroupState.SHARDED:
+            group.reshard()  # loaded values go into the shards; the next use gathers them
+
+    for m in {id(m): m for sp in group.params for m, _ in sp.uses}.values():
+        m.register_state_dict_pre_hook(save_pre_hook)
+        m.register_state_dict_post_hook(save_post_hook)
+        m.register_load_state_dict_pre_hook(load_pre_hook)
 
 
 def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None, param: nn.Parameter, fqn: str) -> int:

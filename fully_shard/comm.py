@@ -118,7 +118,7 @@ class AllGatherWork:
     """An all-gather in flight: its buffers are held here until ``wait`` returns."""
 
     work: dist.Work | None
-    input: torch.Tensor  # 1-D, this rank's packed shards
+    input: torch.Tensor  # 1-D, this rank's packed shards: a view of its slot in output
     output: torch.Tensor  # 1-D, world_size * input.numel(), rank-major
     world_size: int
     what: str = "all-gather"  # for error messages
@@ -165,26 +165,27 @@ def all_gather(
     shard_numels: list[int],
     group: dist.ProcessGroup,
     world_size: int,
+    rank: int,
     dtype: torch.dtype,
     device: torch.device,
     async_op: bool,
     what: str = "all-gather",
 ) -> AllGatherWork:
-    """Pack ``shards`` (each padded to its ``shard_numels`` entry) and all-gather them.
+    """Pack ``shards`` (each padded to its ``shard_numels`` entry) into this rank's slot
+    (``rank`` in ``group``) of the output and all-gather in place.
 
     The padding of each slot is left uninitialised: it is copied out into padding rows
     of the unsharded buffers, which no user ever sees.
     """
     total = sum(shard_numels)
-    inp = torch.empty(total, dtype=dtype, device=device)
+    out = torch.empty(total * world_size, dtype=dtype, device=device)
+    inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
     slots = [
         flat[: s.numel()] for flat, s in zip(torch.split(inp, shard_numels), shards)
     ]
     if slots:
         torch._foreach_copy_(slots, [s.reshape(-1) for s in shards])
-    out = torch.empty(total * world_size, dtype=dtype, device=device)
     if world_size == 1:
-        out.copy_(inp)
         return AllGatherWork(None, inp, out, world_size, what)
     work, event = _issue("all_gather", what, group, inp, lambda: getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op))
     return AllGatherWork(work, inp, out, world_size, what, event)

@@ -85,6 +85,7 @@ class ParamGroup:
                     [p.shard_numel for p in bucket],
                     info.shard_group,
                     info.shard_size,
+                    info.shard_rank,
                     bucket[0].unsharded_dtype,
                     self.device,
                     async_op=True,
@@ -100,6 +101,7 @@ class ParamGroup:
                 [p.post_forward_numel(pf.size) for p in bucket],
                 pf.group,
                 pf.size,
+                pf.rank,
                 bucket[0].unsharded_dtype,
                 self.device,
                 async_op=True,
@@ -174,6 +176,7 @@ class ParamGroup:
             p.post_forward_slice = None
             p.accumulated_grad = None
             p.clear_unsharded_grad()
+            p.sharded_param.grad = None  # part of the failed iteration's gradients
         self.state = GroupState.SHARDED
         self.needs_post_backward = False
 

@@ -207,9 +207,10 @@ class FSDPState:
             self.training_state = TrainingState.FORWARD
             grad_enabled = torch.is_grad_enabled()
             if self.group is not None:
-                self.group.unshard(async_op=True)
+                # gather this group, then issue the next one's all-gather: it overlaps with this
+                # group's compute, and at most two groups' buffers are alive
+                self.group.unshard()
                 self._prefetch(self._forward_prefetch_targets())
-                self.group.wait_for_unshard()
                 if grad_enabled:
                     self.group.needs_post_backward = True
             ctx.forward_order.append(self)
@@ -224,8 +225,7 @@ class FSDPState:
         with record_function("fully_shard::post_forward"):
             if self.training_state is TrainingState.PRE_BACKWARD:  # recomputation, see pre_forward
                 return self._cast_output(output)
-            if self.group is not None and (self.reshard_after_forward or not torch.is_grad_enabled()):
-                # without grad mode no backward will need the full parameters (eval, inference)
+            if self.group is not None and self.reshard_after_forward:
                 self.group.reshard(post_forward=type(self.reshard_after_forward) is int)
             self.training_state = TrainingState.IDLE
             output = self._cast_output(output)
@@ -289,9 +289,8 @@ class FSDPState:
             self._queue_final_callback()
             self.training_state = TrainingState.PRE_BACKWARD
             if self.group is not None:
-                self.group.unshard(async_op=True)
+                self.group.unshard()
                 self._prefetch(self._backward_prefetch_targets())
-                self.group.wait_for_unshard()
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
