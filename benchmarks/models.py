@@ -1,0 +1,141 @@
+"""Llama-style models and the benchmark configurations.
+
+``Llama`` is a Llama-3 shaped decoder: token embedding, ``n_layers`` blocks of RMSNorm ->
+grouped-query attention (``n_kv_heads`` key/value heads) -> RMSNorm -> SwiGLU feed-forward,
+a final RMSNorm and an untied output projection. There is no rotary embedding (it has no
+parameters, so it changes neither the sharding nor the communication). The parameter
+shapes of ``LLAMA3_8B`` / ``LLAMA3_70B`` / ``LLAMA3_405B`` are those of the published
+Llama 3 / 3.1 models (405B: 405.9e9 parameters here, the published count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int = 128
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+# Published Llama 3 shapes (https://github.com/meta-llama/llama-models, params.json).
+LLAMA32_3B = LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256)
+LLAMA3_8B = LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
+LLAMA3_70B = LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
+LLAMA3_405B = LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256)
+
+SIM_MODELS: dict[str, LlamaArgs] = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama3-405b": LLAMA3_405B}
+
+# Step-time models, small enough for 2 CPU ranks. Uneven on purpose: the vocabulary and
+# ffn_dim are not multiples of 2, so some parameters are padded in the flat buffers.
+BENCH_SMALL = LlamaArgs(dim=192, n_layers=4, n_heads=6, n_kv_heads=3, ffn_dim=513, vocab_size=2001, max_seq_len=64)
+# Many small blocks, tiny batch: the per-module hook and bookkeeping cost dominates.
+BENCH_OVERHEAD = LlamaArgs(dim=32, n_layers=32, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=8)
+# --quick: a tiny model.
+BENCH_TINY = LlamaArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=67, max_seq_len=16)
+# Meta-device fully_shard application time (both libraries, real gloo world of 2).
+META_APPLY_MODEL = LLAMA32_3B
+META_APPLY_MODEL_QUICK = LlamaArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=1024, vocab_size=1000)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def tokens(step: int, rank: int, args: LlamaArgs, batch_size: int, seq_len: int) -> torch.Tensor:
+    """Different tokens per rank and step, the same in every run and for every library."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g)
+
+
+def param_count(args: LlamaArgs) -> int:
+    """Exact parameter count of ``Llama(args)`` without building it."""
+    d, kv = args.dim, args.n_kv_heads * args.head_dim
+    attn = d * (args.n_heads * args.head_dim) * 2 + d * kv * 2
+    block = attn + 3 * d * args.ffn_dim + 2 * d
+    return args.n_layers * block + 2 * args.vocab_size * d + d

@@ -1,0 +1,106 @@
+"""Run one benchmark job on ``nprocs`` fresh processes (spawn start method, gloo on CPU).
+
+Each job is one spawn: ``fn(rank, world_size, job)`` runs in every process after the default
+process group is initialised (gloo, or the ``fake`` backend for the single-process
+simulation), with one intra-op thread per process. Rank 0's return value comes back to the
+parent through a pickle file. A job that fails or runs past its deadline is reported as an
+error string; the other jobs still run.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, job: Any, out_path: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if backend == "fake":
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+        else:
+            from datetime import timedelta
+
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=300),
+            )
+        result: Any = fn(rank, world_size, job)
+        payload = ("ok", result)
+    except BaseException:
+        payload = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+    if rank == 0 or payload[0] == "error":
+        path = out_path if rank == 0 else f"{out_path}.rank{rank}"
+        with open(path, "wb") as f:
+            pickle.dump(payload, f)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_job(
+    fn: Callable[[int, int, Any], Any], job: Any, nprocs: int = 2, backend: str = "gloo", timeout_s: float = 300.0
+) -> tuple[Any, str | None, float]:
+    """Run ``fn`` on ``nprocs`` spawned processes; return (rank 0's result, error, wall seconds)."""
+    import torch.multiprocessing as mp
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fully_shard_bench_") as tmp:
+        out_path = os.path.join(tmp, "result.pkl")
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, nprocs, _free_port(), backend, job, out_path),
+            nprocs=nprocs,
+            join=False,
+            start_method="spawn",
+        )
+        error: str | None = None
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    error = f"timed out after {timeout_s:.0f} s"
+                    break
+        except Exception as exc:  # a process exited non-zero
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        result: Any = None
+        errors = []
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb") as f:
+                status, value = pickle.load(f)
+            if status == "ok":
+                result = value
+            else:
+                errors.append(value)
+        if errors:
+            error = "\n".join(errors)
+        elif result is None and error is None:
+            error = "no result from rank 0"
+    return result, error, time.perf_counter() - start

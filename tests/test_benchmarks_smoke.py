@@ -1,0 +1,85 @@
+"""Smoke test of the benchmark harness: ``python3 -m benchmarks --quick`` writes its report.
+
+No timing (or other value) assertions: only that the run succeeds and the Markdown and JSON
+results hold every section and key that docs/benchmarks.md describes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out), "--machine", "smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+    mds = sorted(out.glob("*-smoke.md"))
+    jsons = sorted(out.glob("*-smoke.json"))
+    assert len(mds) == 1 and len(jsons) == 1, sorted(p.name for p in out.iterdir())
+    assert mds[0].stem == jsons[0].stem
+
+    results = json.loads(jsons[0].read_text())
+    assert results["quick"] is True
+    for key in ("date", "machine", "cpu", "torch", "commit", "load_before", "shared_note"):
+        assert key in results["environment"], key
+
+    assert results["configs"], "no step configuration ran"
+    cfg = results["configs"][0]
+    assert cfg["error"] is None, cfg["error"]
+    res = cfg["result"]
+    for impl in ("fully_shard", "torch_fsdp2", "ddp", "unsharded"):
+        assert res["step_time"][impl]["median_s"] > 0, impl
+    assert {"median", "min", "max", "pairs"} <= set(res["ratio"])
+    assert {"fully_shard", "torch_fsdp2", "ddp"} <= set(res["final_loss"])
+    for impl in ("fully_shard", "torch_fsdp2"):
+        got = res["collectives"][impl]
+        assert got["forward"]["all_gather"]["count"] > 0
+        assert got["backward"]["reduce_scatter"]["input_bytes"] > 0
+    assert "collectives" in res["analytic"]
+    mem = res["memory_per_rank"]
+    assert len(mem) == 2
+    for impl in ("fully_shard", "torch_fsdp2", "ddp"):
+        assert mem[0][impl]["peak_bytes"] > 0, impl
+        assert {"params", "grads", "optimizer", "other"} <= set(mem[0][impl]["at_peak"])
+    assert mem[0]["unsharded"]["peak_bytes"] > 0
+
+    meta = results["meta_apply"]["result"]
+    assert meta["fully_shard"]["median_s"] >= 0 and meta["torch_fsdp2"]["median_s"] >= 0
+
+    sim = results["simulation"]
+    assert sim["points"], "no simulation point"
+    for point in sim["points"]:
+        assert "measured" in point["fully_shard"], point["fully_shard"]
+        assert "measured_equals_analytic" in point and "analytic" in point
+        for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "unsharded_peak_bytes", "ag_forward_input_bytes", "rs_input_bytes"):
+            assert key in point["fully_shard"]["measured"], key
+    assert sim["fake_step_checks"] and "matches_analytic" in sim["fake_step_checks"][0]["fully_shard"]
+
+    md = mds[0].read_text()
+    for heading in (
+        "## Step time",
+        "## Peak memory per rank",
+        "## Collectives per step per rank",
+        "## fully_shard application time on a meta-device model",
+        "## Scale simulation",
+        "## Targets from the issue",
+        "## Plots",
+    ):
+        assert heading in md, heading
+    assert "fully_shard" in md and "torch FSDP2" in md
