@@ -23,6 +23,15 @@ class GroupState(Enum):
     UNSHARDED = auto()  # modules hold the full parameters; unsharded storage allocated
 
 
+# the transitions a group may make (reset() may go to SHARDED from anywhere)
+_TRANSITIONS = {
+    GroupState.SHARDED: {GroupState.UNSHARDING, GroupState.SHARDED},
+    GroupState.POST_FORWARD: {GroupState.UNSHARDING, GroupState.SHARDED},
+    GroupState.UNSHARDING: {GroupState.UNSHARDED},
+    GroupState.UNSHARDED: {GroupState.SHARDED, GroupState.POST_FORWARD},
+}
+
+
 class ParamGroup:
     """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call.
 
@@ -58,6 +67,11 @@ class ParamGroup:
         # set by pre-forward under grad mode; cleared once post-backward has run
         self.needs_post_backward = False
 
+    def _move_to(self, state: GroupState) -> None:
+        if state not in _TRANSITIONS[self.state]:
+            raise AssertionError(f"fully_shard internal error: group {self.label} cannot go from {self.state.name} to {state.name}")
+        self.state = state
+
     def _streams(self) -> Streams:
         if self.streams is None:  # used before any root forward (e.g. an explicit unshard())
             self.streams = Streams(self.device)
@@ -72,7 +86,7 @@ class ParamGroup:
             streams.release_all_gather()  # the copy-in stream may now reuse the last output
             with streams.use("copy_in"):  # pack, then issue from there: the collective waits for it
                 self._all_gathers = self._issue_all_gathers()
-            self.state = GroupState.UNSHARDING
+            self._move_to(GroupState.UNSHARDING)
         if not async_op:
             self.wait_for_unshard()
 
@@ -129,7 +143,7 @@ class ParamGroup:
         self._hold_all_gathers()
         for p in self.params:
             p.register(unsharded=True)
-        self.state = GroupState.UNSHARDED
+        self._move_to(GroupState.UNSHARDED)
 
     def reshard(self, post_forward: bool = False) -> None:
         """Free the full parameters and point the modules back at the sharded ones.
@@ -141,7 +155,7 @@ class ParamGroup:
             for work in self._all_gathers:
                 work.wait()  # the collective must complete before its buffers go
             self._hold_all_gathers()
-            self.state = GroupState.UNSHARDED
+            self._move_to(GroupState.UNSHARDED)
         keep = post_forward and self.post_forward is not None and self.state is GroupState.UNSHARDED
         if self.state is GroupState.UNSHARDED:
             for p in self.params:
@@ -156,7 +170,7 @@ class ParamGroup:
                 p.post_forward_slice = None
         for p in self.params:
             p.register(unsharded=False)
-        self.state = GroupState.POST_FORWARD if keep else GroupState.SHARDED
+        self._move_to(GroupState.POST_FORWARD if keep else GroupState.SHARDED)
 
     def _hold_all_gathers(self) -> None:
         """The all-gather buffers were last used on the current stream: keep them until the
