@@ -8,6 +8,7 @@ Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .init import broadcast_full_state_dict, materialize
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .tools.clip import clip_grad_norm_
 from .tools.plan import plan
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "materialize",
     "broadcast_full_state_dict",
     "plan",
+    "clip_grad_norm_",
 ]
 
 __version__ = "0.1.0"

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+import fully_shard as fully_shard_lib
 from fully_shard import fully_shard
 from tests.collectives import CollectiveRecorder
 from tests.harness import run_distributed
@@ -563,17 +564,8 @@ def test_exact_resume_with_dropout_is_bitwise(tmp_path, world_size: int) -> None
 
 
 def clip_grad_norm_per_mesh_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ for gradients on several meshes (FSDP x TP: 2-D and 1-D): the norm of
-    each mesh's gradients as a full (replicated) tensor, combined, then one clip per mesh."""
-    by_mesh: dict[Any, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]).full_tensor() for group in by_mesh.values()]
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    for group in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
+    """fully_shard's clip_grad_norm_ for gradients on several meshes (FSDP x TP)."""
+    return fully_shard_lib.clip_grad_norm_(params, max_norm)
 
 
 def _clip(kind: str, impl: str, per_mesh: bool = False, max_norm: float = 0.5) -> tuple[str, str] | None:

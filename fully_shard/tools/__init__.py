@@ -7,6 +7,7 @@ Example::
     >>> print(plan("llama3-8b", 64))
 """
 
+from .clip import clip_grad_norm_
 from .debug import CollectiveMismatchError, debug_collectives
 from .llama import PRESETS, Llama, LlamaArgs
 from .plan import GroupPlan, Plan, plan, shard_layout
@@ -14,6 +15,7 @@ from .trace import CommTrace, trace_comm
 from .wrap import apply_fully_shard
 
 __all__ = [
+    "clip_grad_norm_",
     "plan",
     "Plan",
     "GroupPlan",
