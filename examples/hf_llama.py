@@ -1,0 +1,273 @@
+"""A Hugging Face model with fully_shard: train, checkpoint, export for ``from_pretrained``.
+
+    python3 examples/hf_llama.py                  # 2 local CPU processes, a few seconds of training
+    python3 examples/hf_llama.py --steps 30 --out-dir /tmp/hf_llama
+
+What it does, on N processes started through torch's elastic launcher like
+``examples/train.py`` (or under ``torchrun``):
+
+1. builds a tiny ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (nothing is
+   downloaded: random weights from the same seed on every rank);
+2. shards it the FSDP2 way: ``fully_shard`` on each decoder layer
+   (``model.model.layers[i]``), then on the root, which takes the embeddings, the final
+   norm and ``lm_head``;
+3. trains a few AdamW steps on byte-level tokens (vocabulary 256) of the Python standard
+   library's sources, each rank on its own batches, with Hugging Face's own loss
+   (``model(input_ids=..., labels=...).loss``);
+4. saves a sharded ``torch.distributed.checkpoint`` (DCP) of the model and optimizer with
+   the crash-safe helper of ``examples/checkpointing.py`` (``OUT/checkpoints/step_<k>``);
+5. exports the full weights as ONE safetensors file: every rank takes part in
+   ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+   cpu_offload=True))`` (it all-gathers one tensor at a time), rank 0 receives the full
+   CPU tensors and writes ``OUT/hf/config.json`` (``model.config.save_pretrained``) and
+   ``OUT/hf/model.safetensors`` (``safetensors.torch.save_file``);
+6. checks the export: ``LlamaForCausalLM.from_pretrained(OUT/hf)`` on rank 0 gives the
+   same logits as the trained sharded model on a fixed input.
+
+Needs ``transformers`` and ``safetensors`` (in the ``test`` extra: ``pip install -e
+".[test]"``). The same recipe works with torch's FSDP2: change the ``fully_shard`` import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+EXAMPLES = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join("outputs", "hf_llama")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a tiny Hugging Face LlamaForCausalLM with fully_shard, checkpoint it with "
+                    "DCP and export one safetensors file that from_pretrained loads.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--nproc", type=positive_int, default=2,
+                        help="processes to start on this machine (ignored under torchrun)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps")
+    parser.add_argument("--out-dir", default=DEFAULT_OUT, metavar="DIR",
+                        help="DIR/checkpoints: the DCP checkpoint; DIR/hf: config.json and model.safetensors")
+    parser.add_argument("--hidden-size", type=positive_int, default=64)
+    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads")
+    parser.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (grouped-query attention)")
+    parser.add_argument("--seq-len", type=positive_int, default=64)
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank per step")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.hidden_size % args.heads != 0 or (args.hidden_size // args.heads) % 2 != 0:
+        parser.error(f"--hidden-size ({args.hidden_size}) / --heads ({args.heads}) must be an even integer")
+    if args.heads % args.kv_heads != 0:
+        parser.error(f"--heads ({args.heads}) must be divisible by --kv-heads ({args.kv_heads})")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        parser.error(f"--out-dir {args.out_dir!r} exists and is not a directory")
+    return args
+
+
+# -- the recipe (every rank runs it, inside an initialised default process group) -----
+
+
+def recipe(
+    out_dir: str,
+    *,
+    steps: int = 10,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seq_len: int = 64,
+    batch_size: int = 4,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Build, shard, train, checkpoint, export and check; returns what happened (the
+    export check's results on rank 0 only)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fully_shard import fully_shard  # torch's FSDP2: from torch.distributed.fsdp import fully_shard
+
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from checkpointing import save_checkpoint
+    from train import load_corpus
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    def say(msg: str) -> None:
+        if rank == 0 and log is not None:
+            log(msg)
+
+    # 1. a tiny Llama, the same random weights on every rank
+    config = LlamaConfig(
+        vocab_size=256,  # bytes
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 8 // 3 // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["LlamaForCausalLM"]  # so that AutoModelForCausalLM finds the class too
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    # 2. the FSDP2 recipe: one group per decoder layer, the root takes the rest
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    say(f"LlamaForCausalLM, {n_params:,} parameters, {layers} layers, hidden size {hidden_size}: "
+        f"fully_shard on {world_size} ranks")
+
+    # 3. train
+    corpus = load_corpus(None, max_mb=0.25)
+    losses: list[float] = []
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * 65_537 + rank)
+        starts = torch.randint(0, len(corpus) - seq_len, (batch_size,), generator=g).tolist()
+        input_ids = torch.stack([corpus[s : s + seq_len] for s in starts])
+        loss = model(input_ids=input_ids, labels=input_ids).loss  # HF shifts the labels itself
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+        if step == 1 or step == steps or step % 5 == 0:
+            say(f"step {step:>3}/{steps} | loss {losses[-1]:.4f}")
+    train_s = time.perf_counter() - start
+
+    # 4. a sharded DCP checkpoint (each rank writes its own shards), crash-safe
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    ckpt = save_checkpoint({"model": model_sd, "optim": optim_sd, "step": steps},
+                           os.path.join(out_dir, "checkpoints"), steps)
+    say(f"checkpoint (DCP, sharded): {ckpt}")
+
+    # the logits of the trained sharded model on a fixed input: every rank runs the forward
+    # (the all-gathers need them all) and gets the same logits
+    probe = corpus[:seq_len].unsqueeze(0)
+    model.eval()
+    with torch.no_grad():
+        sharded_logits = model(input_ids=probe).logits
+
+    # 5. full weights on rank 0: a collective, so every rank calls it; with cpu_offload the
+    # full tensors exist on rank 0 only (one at a time on the device), the others get {}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    export_dir = os.path.join(out_dir, "hf")
+    result: dict[str, Any] = {"losses": losses, "checkpoint": ckpt, "export_dir": export_dir,
+                              "train_s": train_s, "n_params": n_params}
+    if rank == 0:
+        os.makedirs(export_dir, exist_ok=True)
+        model.config.save_pretrained(export_dir)
+        weights = os.path.join(export_dir, "model.safetensors")
+        save_file({k: v.contiguous() for k, v in full.items()}, weights, metadata={"format": "pt"})
+        say(f"export: {weights} ({len(full)} tensors, {os.path.getsize(weights):,} bytes) + config.json")
+
+        # 6. the check: a plain (unsharded) model loaded by transformers from the export
+        transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
+        reloaded = LlamaForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+        reloaded.eval()
+        with torch.no_grad():
+            reloaded_logits = reloaded(input_ids=probe).logits
+        result["logits_equal"] = bool(torch.equal(reloaded_logits, sharded_logits))
+        result["max_abs_diff"] = float((reloaded_logits - sharded_logits).abs().max())
+        result["exported_keys"] = sorted(full)
+        result["model_keys"] = sorted(reloaded.state_dict())
+        verdict = "identical (bitwise)" if result["logits_equal"] else f"max |diff| {result['max_abs_diff']:.3g}"
+        say(f"check: LlamaForCausalLM.from_pretrained({export_dir!r}) logits vs the sharded model's "
+            f"on a fixed input of {seq_len} tokens: {verdict}")
+    dist.barrier()  # nobody leaves (and tears the process group down) before rank 0 is done
+    return result
+
+
+# -- launching ------------------------------------------------------------------------
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """Every flag but --nproc, spelled out (the launcher's own parser would otherwise take
+    ``--nproc`` for its ``--nproc-per-node``)."""
+    return [
+        f"--steps={args.steps}", f"--out-dir={os.path.abspath(args.out_dir)}",
+        f"--hidden-size={args.hidden_size}", f"--layers={args.layers}", f"--heads={args.heads}",
+        f"--kv-heads={args.kv_heads}", f"--seq-len={args.seq_len}", f"--batch-size={args.batch_size}",
+        f"--lr={args.lr!r}", f"--seed={args.seed}",
+    ]
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Start ``args.nproc`` copies of this script through torch's elastic launcher
+    (``torchrun --standalone``), as examples/train.py does."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    from train import launch_script
+
+    return launch_script(os.path.abspath(__file__), args.nproc, worker_argv(args))
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # CPU; a GPU version would use nccl and a "cuda" mesh
+    try:
+        result = recipe(
+            args.out_dir, steps=args.steps, hidden_size=args.hidden_size, layers=args.layers,
+            heads=args.heads, kv_heads=args.kv_heads, seq_len=args.seq_len, batch_size=args.batch_size,
+            lr=args.lr, seed=args.seed, log=lambda msg: print(msg, flush=True),
+        )
+    finally:
+        dist.destroy_process_group()
+    if result.get("logits_equal") is False and result["max_abs_diff"] > 1e-5:
+        print("error: the exported model's logits differ from the sharded model's", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        try:
+            import safetensors  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            print(f"hf_llama.py: needs transformers and safetensors ({e}); "
+                  "pip install -e '.[test]' installs both", file=sys.stderr)
+            return 2
+        return launch(args)
+    return worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
