@@ -80,10 +80,8 @@ def post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
             f"reshard_after_forward={k} must be a divisor of the shard group size {n} other "
             f"than 1 and {n} (e.g. the number of ranks per node); use True or False otherwise"
         )
-    ranks = info.mesh.mesh
-    if info.replicate_mesh_dim is not None:
-        ranks = ranks.transpose(0, 1) if info.shard_mesh_dim == 0 else ranks
-    rows = ranks.reshape(-1, n).tolist()  # each row: one shard group's global ranks
+    # the shard dim is the last mesh dim: each row is one shard group's global ranks
+    rows = info.mesh.mesh.reshape(-1, n).tolist()
     key = (tuple(int(r) for row in rows for r in row), k)
     if key not in _POST_FORWARD_GROUPS:
         me = dist.get_rank()
