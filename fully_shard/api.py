@@ -285,6 +285,11 @@ def _collect_params(
         visited.add(id(module))
         if not top and getattr(module, STATE_ATTR, None) is not None:
             return  # owned by an inner call
+        # children before the module's own parameters (post-order, as torch's FSDP2 lays out
+        # its flat buffers): the same layout makes the same collectives, element for element
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.", False)
         for name, p in module._parameters.items():
             if p is None or p in ignored:
                 continue
@@ -307,9 +312,6 @@ def _collect_params(
                 found[p][1].append((module, name))
             else:
                 found[p] = (fqn, [(module, name)])
-        for child_name, child in module._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
 
     for i, m in enumerate(modules):
         visit(m, f"{i}." if len(modules) > 1 else "", True)
