@@ -21,6 +21,7 @@ from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests.collectives import CollectiveRecorder
 from tests.harness import run_distributed
 from tests.models import Transformer, batch, loss_fn
+from tests.oracle import ShardwiseOptimizer
 
 BF16_FP32 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 FP16 = dict(param_dtype=torch.float16)
@@ -75,15 +76,22 @@ def test_mixed_precision_matches_torch_fsdp2(policy: dict) -> None:
     run_distributed(_mp_vs_torch, 2, policy, 4)
 
 
+class _CastingLinear(nn.Linear):
+    """Casts its input to its weight's dtype itself, so it runs whatever dtype arrives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
 class _Mlp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.seen_dtypes: list[torch.dtype] = []
         self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 4)
+        self.b = _CastingLinear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+        # an fp32 intermediate between a and b: only a cast on b's inputs would make it bf16
+        return self.b(torch.relu(self.a(x)).float())
 
 
 def _no_input_cast(shard_fn, policy_cls) -> list:
@@ -92,8 +100,9 @@ def _no_input_cast(shard_fn, policy_cls) -> list:
     model = _Mlp()
     shard_fn(model.b, mesh=mesh, mp_policy=policy_cls(param_dtype=torch.bfloat16, cast_forward_inputs=False))
     shard_fn(model, mesh=mesh, mp_policy=policy_cls(param_dtype=torch.bfloat16))
-    seen = []
-    model.b.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    seen: dict[str, list[torch.dtype]] = {"a": [], "b": []}
+    for name in seen:
+        getattr(model, name).register_forward_pre_hook(lambda m, args, name=name: seen[name].append(args[0].dtype))
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
     model(x).float().sum().backward()
     return [seen, [p.grad.full_tensor() for p in model.parameters()]]
@@ -102,8 +111,10 @@ def _no_input_cast(shard_fn, policy_cls) -> list:
 def test_cast_forward_inputs_off_matches_torch() -> None:
     ours = run_distributed(_no_input_cast_ours, 2)
     theirs = run_distributed(_no_input_cast_torch, 2)
-    assert ours[0][0] == [torch.bfloat16]  # the root cast x; block b did not cast again
+    # the root cast x for a; b (cast off) received the fp32 intermediate as it was
+    assert ours[0][0] == {"a": [torch.bfloat16], "b": [torch.float32]} == theirs[0][0], (ours[0][0], theirs[0][0])
     for a, b in zip(ours[0][1], theirs[0][1]):
+        # bitwise: the same casts, matmuls and AVG reduce-scatters on the same inputs
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -115,21 +126,24 @@ def _no_input_cast_torch() -> list:
     return _no_input_cast(torch_fully_shard, TorchMixedPrecisionPolicy)
 
 
-def _fp32_input_reaches_uncast_module() -> torch.dtype:
+def _fp32_input_reaches_uncast_module() -> tuple[torch.dtype, str]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _Mlp().to(torch.bfloat16)
-    fully_shard(model.a, mesh=mesh, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
+    model = nn.Sequential(nn.Linear(8, 16))
+    # bf16 compute with cast_forward_inputs=False: the fp32 input must reach the module as it is
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False))
     seen = []
-    model.a.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
     try:
-        model.a(torch.randn(3, 8))
-    except RuntimeError:
-        pass  # fp32 input against bf16 weights: the point is that it was not cast
-    return seen[0]
+        model(torch.randn(3, 8))
+    except RuntimeError as e:  # fp32 input against bf16 weights: the proof that it was not cast
+        return seen[0], str(e)
+    return seen[0], "no error: the input was cast"
 
 
 def test_cast_forward_inputs_off_leaves_inputs() -> None:
-    assert run_distributed(_fp32_input_reaches_uncast_module, 2) == [torch.float32] * 2
+    for dtype, message in run_distributed(_fp32_input_reaches_uncast_module, 2):
+        assert dtype == torch.float32
+        assert "dtype" in message and "BFloat16" in message, message
 
 
 def _accumulate_in_reduce_dtype() -> None:
@@ -221,21 +235,38 @@ def test_mixed_original_dtypes_in_one_group() -> None:
 
 
 def _offload(pin_memory: bool) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    plain = Transformer()
-    offloaded = copy.deepcopy(plain)
-    _shard(plain, fully_shard, mesh)
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (ws,))
+    ref = Transformer()
+    offloaded = copy.deepcopy(ref)
     _shard(offloaded, fully_shard, mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, offloaded)]
+    opt = torch.optim.AdamW(offloaded.parameters(), lr=1e-2)
+    ref_opt = ShardwiseOptimizer(ref.parameters(), ws, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    compute_devices = []
+    offloaded.layers[0].register_forward_pre_hook(
+        lambda m, args: compute_devices.append(m.attention.wq.weight.device.type)
+    )
     for step in range(3):
-        x = batch(step, dist.get_rank())
-        for model, opt in zip((plain, offloaded), opts):
-            loss_fn(model(x), x).backward()
-            opt.step()
-    for p, q in zip(plain.parameters(), offloaded.parameters()):
-        assert q.to_local().device.type == "cpu" and q.grad.to_local().device.type == "cpu"
-        assert opts[1].state[q]["exp_avg"].device.type == "cpu"
-        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0)
+        x = batch(step, rank)
+        loss_fn(offloaded(x), x).backward()
+        opt.step()
+        for q in offloaded.parameters():  # sharded params, grads and optimizer state on the host
+            for what, t in (("param", q.to_local()), ("grad", q.grad.to_local()), *opt.state[q].items()):
+                assert t.device.type == "cpu", (what, t.device)
+        opt.zero_grad()
+        loss_fn(ref(x), x).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    # computed on the mesh's device, kept on the host (the same device only on a CPU mesh)
+    assert compute_devices == [mesh.device_type] * 3, compute_devices
+    pinned = pin_memory and torch.accelerator.is_available()  # never pinned without an accelerator
+    for (name, p_ref), q in zip(ref.named_parameters(), offloaded.parameters()):
+        assert q.to_local().is_pinned() == pinned, name
+        # bitwise on any CPU: a 2-rank average is exact, and the reference steps the same
+        # chunks the ranks hold (tests.oracle)
+        torch.testing.assert_close(q.full_tensor(), p_ref, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("pin_memory", [True, False])

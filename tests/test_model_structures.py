@@ -17,10 +17,11 @@ at the end, every parameter.
 
 Tolerances (fp32, gloo):
 
-* world size 2: bitwise (rtol=atol=0) against the reference and torch FSDP2: the average
-  of two numbers does not depend on the order of the reduction.
-* world size 4: bitwise against torch FSDP2 (both reduce-scatter with AVG over the same
-  flat layout); against the all-reduce reference, which gloo sums in another order:
+* world size 2: bitwise (rtol=atol=0) against the reference and torch FSDP2 on any CPU:
+  the average of two numbers does not depend on the order of the reduction, and the
+  reference's AdamW steps the same dim-0 chunks the ranks hold (``tests.oracle``).
+* world size 4: bitwise against torch FSDP2 (the same flat layout and reduce-scatter in the
+  same process: the same gloo summation order by construction); against the all-reduce reference, which gloo sums in another order:
   losses and gradients 1e-5, parameters after AdamW 1e-4 (Adam divides by sqrt(v): a
   last-bit difference in a near-zero gradient moves a weight by up to ~lr * 1e-3).
   Measured: at most 2e-6 over every case (parameters of the tied model).
@@ -44,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from tests.collectives import CollectiveRecord, CollectiveRecorder
 from tests.harness import run_distributed
 from tests.models import Block, FeedForward, ModelArgs, Transformer, batch, loss_fn
+from tests.oracle import ShardwiseOptimizer
 
 # ---------------------------------------------------------------------------
 # Models (module level: the workers unpickle nothing but names)
@@ -240,10 +242,14 @@ def _train(
     # foreach AdamW cannot mix DTensors and plain tensors (ignored_params): then per tensor,
     # in every model alike
     foreach = len({isinstance(p, DTensor) for p in ours.parameters()}) == 1
-    opts = {
-        k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, foreach=foreach)
-        for k, m in models.items()
-    }
+    def adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
+
+    trained = {k: [p for p in m.parameters() if p.requires_grad] for k, m in models.items()}
+    opts: dict[str, Any] = {k: adamw(trained[k]) for k in models if k != "ref"}
+    # stepped as the ranks' chunks (ignored parameters: whole, as every rank keeps them)
+    whole = [p for n, p in ref.named_parameters() if n in keep_local]
+    opts["ref"] = ShardwiseOptimizer(trained["ref"], dist.get_world_size(), adamw, keep_whole=whole)
     worst = {"ref": 0.0, "torch": 0.0}
     comms: dict[str, list[list[CollectiveRecord]]] = {k: [] for k in models if k != "ref"}
 

@@ -156,11 +156,15 @@ def test_all_gather_waits_for_copy_in_and_buffers_outlive_copy_out() -> None:
         last_copy_out = max(j for j, e in enumerate(both) if e[0] == "copy_out" and j < records[event])
         gathers_between = [e for e in both[last_copy_out : records[event]] if e[0] == "all_gather"]
         assert not gathers_between or both[records[event] - 1][0] != "all_gather", "held after its copy-out"
-    waits = [(i - len(both) + len(step), ev) for i, ev in waits]
-    # every copy-in after the first is preceded by the wait that releases the last buffers
-    copy_ins = [i for i, e in enumerate(step) if e == ("copy_in", "copy_in")]
-    for k in copy_ins[1:]:
-        assert any(i < k for i, _ in waits), k
+    # before every copy-in (which allocates the next all-gather's buffers on the copy-in
+    # stream), that stream has waited for every hold event recorded so far: the last use of
+    # every earlier all-gather output is behind it
+    copy_ins = [i for i, e in enumerate(both) if e == ("copy_in", "copy_in")]
+    assert len(copy_ins) == 2 * len(gathers), copy_ins
+    for k in copy_ins:
+        held = {ev for ev, i in records.items() if i < k}
+        waited = {ev for i, ev in waits if i < k}
+        assert held <= waited, (k, sorted(held - waited), both[: k + 1])
 
 
 def test_held_buffers_are_alive_when_released() -> None:

@@ -121,17 +121,37 @@ def test_debug_mode_names_the_first_divergence() -> None:
         assert "rank 1: all_gather \"all-gather of layers.2's parameters\"" in message, message
 
 
-def _debug_mode_consistent() -> int:
+def _debug_mode_consistent() -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], int]:
     model = _sharded_model()
     x = batch(0, dist.get_rank())
-    with debug_collectives(), CollectiveRecorder() as rec:
+    loss_fn(model(x), x).backward()  # warm-up: the prefetch order is known from here on
+    with CollectiveRecorder() as plain:
         loss_fn(model(x), x).backward()
-    return rec.counts().get("all_gather", 0)
+    exchanges = 0
+    original = dist.all_gather_object
+
+    def counting(*args, **kwargs):
+        nonlocal exchanges
+        exchanges += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        with debug_collectives(), CollectiveRecorder() as checked:
+            loss_fn(model(x), x).backward()
+    finally:
+        dist.all_gather_object = original
+    ours = {"all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor"}
+    keep = lambda rec: [r.key() for r in rec.records if r.api in ours]  # noqa: E731
+    return keep(plain), keep(checked), exchanges
 
 
 def test_debug_mode_passes_a_consistent_step() -> None:
-    # each checked collective adds one fingerprint exchange (all_gather_object's own collectives)
-    assert run_distributed(_debug_mode_consistent, 2)[0] >= 7
+    plain, checked, exchanges = run_distributed(_debug_mode_consistent, 2)[0]
+    # the checked step issues exactly the collectives of an unchecked one, each preceded by
+    # one fingerprint exchange (all_gather_object)
+    assert checked == plain and len(plain) > 0, (checked, plain)
+    assert exchanges == len(plain), (exchanges, len(plain))
 
 
 def _optimizer_before_fully_shard() -> str:
