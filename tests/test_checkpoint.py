@@ -124,6 +124,7 @@ def _assert_same(actual: Any, expected: Any, where: str = "") -> None:
         assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
             f"{where}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}"
         )
+        # bitwise on any CPU: saving and loading copy values, they do no arithmetic
         assert torch.equal(actual, expected), f"{where}: max diff {(actual - expected).abs().max().item()}"
     elif isinstance(expected, dict):
         assert isinstance(actual, dict) and list(actual) == list(expected), (
@@ -193,6 +194,7 @@ def _load_round_trip() -> None:
         assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].placements == p.placements, state
     _assert_same(_full_optim(dst, dst_opt), _full_optim(src, src_opt))
     for step in range(2, 4):  # training goes on identically
+        # bitwise on any CPU: equal state, data and ranks run the same kernels in the same order
         assert torch.equal(_step(dst, dst_opt, step), _step(src, src_opt, step)), step
     _assert_same(_full_model(dst), _full_model(src))
 
@@ -205,6 +207,7 @@ def _load_round_trip() -> None:
     _assert_same(_full_model(full), ref.state_dict())
     x = batch(0, rank, ARGS)
     with torch.no_grad():
+        # bitwise on any CPU: forward only, the same kernels on the same (copied) full weights
         assert torch.equal(full(x), ref(x)), "forward did not gather the loaded shards"
 
 
@@ -263,6 +266,7 @@ def _assign_then_train() -> None:
         twin.load_state_dict(loaded)  # the in-place load, as an oracle
         opts = [_adamw(model), _adamw(twin)]
         for step in range(1, 3):
+            # bitwise on any CPU: equal state, data and ranks run the same kernels in the same order
             assert torch.equal(_step(model, opts[0], step), _step(twin, opts[1], step)), (source, step)
         _assert_same(_full_model(model), _full_model(twin))
 
@@ -300,6 +304,7 @@ def _state_dict_mid_iteration(impl: str) -> list[str]:
     try:
         model.load_state_dict(other)  # sharded DTensors, right after an eval forward
         with torch.no_grad():
+            # bitwise on any CPU: forward only, the same kernels on the same (copied) full weights
             same = torch.equal(model(x), _reference(seed=1)(x))
         seen.append(f"forward after load_state_dict uses the loaded weights: {same}")
     except Exception as e:  # noqa: BLE001 - compared with torch FSDP2
@@ -344,6 +349,7 @@ def _dcp_round_trip(path: str) -> None:
     _assert_same(_full_model(dst), _full_model(src))
     _assert_same(_full_optim(dst, dst_opt), _full_optim(src, src_opt))
     for step in range(2, 4):
+        # bitwise on any CPU: equal state, data and ranks run the same kernels in the same order
         assert torch.equal(_step(dst, dst_opt, step), _step(src, src_opt, step)), step
     _assert_same(_full_model(dst), _full_model(src))
 
@@ -417,6 +423,7 @@ def _dsd_full_state_dicts() -> None:
     assert list(sharded) == list(own), (list(sharded), list(own))
     for k in own:
         assert isinstance(sharded[k], DTensor) and sharded[k].placements == own[k].placements, k
+        # bitwise on any CPU: both hold copies of the same shard
         assert torch.equal(sharded[k].to_local(), own[k].to_local()), k
 
     # full, offloaded: rank 0 gets the unsharded model's tensors on the CPU, the others {}
@@ -450,6 +457,7 @@ def _dsd_full_state_dicts() -> None:
     _assert_same(_full_model(dst), expected_model)
     _assert_same(_full_optim(dst, dst_opt), expected_optim)
     for step in range(2, 4):
+        # bitwise on any CPU: equal state, data and ranks run the same kernels in the same order
         assert torch.equal(_step(dst, dst_opt, step), _step(model, opt, step)), step
 
     # sharded get -> set into a fresh model

@@ -299,6 +299,7 @@ def _interrupted_save(root: str) -> str:
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert state["step"] == 1, state["step"]
     for a, b in zip(_full_params(fresh), at_step_1):
+        # bitwise on any CPU: the load copies the saved values
         assert torch.equal(a, b)
 
     # saving step 2 again works, clears the leftover, and becomes the latest

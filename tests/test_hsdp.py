@@ -61,13 +61,15 @@ def _train(config: str, steps: int) -> list[str]:
             opt.step()
             opt.zero_grad()
             losses.append(loss)
-        # vs torch's FSDP2: the same reductions in the same order, bitwise
+        # vs torch's FSDP2, bitwise on any CPU: the same flat layout (params in post-order), the same
+        # reduce-scatter and all-reduce over the same buffers in one process: gloo's order by construction
         torch.testing.assert_close(losses[1], losses[2], rtol=0, atol=0)
         # vs all-reduce over 4 ranks: gloo sums in another order, fp32 rounding
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
     placements = []
     for (name, p_ref), p, tp in zip(ref.named_parameters(), ours.parameters(), theirs.parameters()):
         assert p.placements == tp.placements and p.to_local().shape == tp.to_local().shape, name
+        # bitwise on any CPU: bitwise gradients (above) and AdamW over the same shard shapes
         torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
         # AdamW divides by sqrt(v): a near-zero gradient's last-bit difference moves a weight ~1e-5
         torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")

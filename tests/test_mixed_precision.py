@@ -63,9 +63,10 @@ def _mp_vs_torch(policy: dict, steps: int) -> None:
         topt.step()
         opt.zero_grad()
         topt.zero_grad()
-        # the issue asks for 1e-3 relative; at world size 2 we reach bitwise
+        # bitwise on any CPU: the same casts, flat layout and AVG reduce-scatter as torch FSDP2, in one process
         torch.testing.assert_close(loss, tloss, rtol=0, atol=0)
     for (name, p), tp in zip(ours.named_parameters(), theirs.parameters()):
+        # bitwise on any CPU: the same casts, flat layout, reductions and AdamW shard shapes as torch FSDP2
         torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
         for key in ("exp_avg", "exp_avg_sq"):
             assert opt.state[p][key].dtype == torch.float32
@@ -162,6 +163,7 @@ def _accumulate_in_reduce_dtype() -> None:
                 kept = [p.accumulated_grad for p in group.params]
                 assert all(g is not None and g.dtype == torch.float32 for g in kept), [g.dtype for g in kept]
     for (name, p), tp in zip(ours.named_parameters(), theirs.parameters()):
+        # bitwise on any CPU: the same casts, flat layout and reduce-scatters as torch FSDP2, in one process
         torch.testing.assert_close(p.grad.full_tensor(), tp.grad.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
