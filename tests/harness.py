@@ -25,6 +25,8 @@ Design:
   ``torch.manual_seed(0)`` and resets ``torch.distributed`` state left by a
   previous test (a destroyed default group
   is re-created, DeviceMesh context stack is cleared).
+* Workers run with one intra-op thread and deterministic algorithms, and die with the
+  parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
 * If any rank raises, dies, or the deadline passes, the call fails with a
   :class:`DistributedTestFailure` (an ``AssertionError``) naming every failed
   or hung rank with its full traceback, and the pool is discarded: the next
@@ -145,7 +147,20 @@ def _flush_std_streams() -> None:
             pass
 
 
+def die_with_parent() -> None:
+    """Linux: ask the kernel to SIGKILL this process when its parent dies, so no worker (or
+    benchmark rank) outlives a test run that was killed hard (a CI timeout, SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+            pass
+
+
 def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+    die_with_parent()
     os.environ["FULLY_SHARD_TEST_WORKER"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -156,11 +171,14 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         import torch
         import torch.distributed as dist
 
+        # the same arithmetic on every machine: one intra-op thread (no thread-count-dependent
+        # reduction splits), deterministic kernels where an op has a nondeterministic variant
         torch.set_num_threads(1)
         try:
             torch.set_num_interop_threads(1)
         except RuntimeError:  # pragma: no cover - already set
             pass
+        torch.use_deterministic_algorithms(True, warn_only=True)
         store = dist.TCPStore(
             "127.0.0.1",
             port,
