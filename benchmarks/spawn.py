@@ -5,26 +5,28 @@ process group is initialised (gloo, or the ``fake`` backend for the single-proce
 simulation), with one intra-op thread per process. Rank 0's return value comes back to the
 parent through a pickle file. A job that fails or runs past its deadline is reported as an
 error string; the other jobs still run.
+
+The rendezvous store (a ``TCPStore``) lives in the parent, as under ``torchrun``, not in
+rank 0: a rank 0 hosting it had to tear the store's server down at exit while rank 1 could
+still be connected, and now and then died there with ``terminate called without an active
+exception`` (SIGABRT) after finishing its work. Every rank is now a client, and the server
+outlives them all.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, job: Any, out_path: str) -> None:
+    from tests.harness import die_with_parent
+
+    die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -38,12 +40,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
         else:
             from datetime import timedelta
 
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
             dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=300),
+                backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
             )
         result: Any = fn(rank, world_size, job)
         payload = ("ok", result)
@@ -64,14 +63,19 @@ def run_job(
     fn: Callable[[int, int, Any], Any], job: Any, nprocs: int = 2, backend: str = "gloo", timeout_s: float = 300.0
 ) -> tuple[Any, str | None, float]:
     """Run ``fn`` on ``nprocs`` spawned processes; return (rank 0's result, error, wall seconds)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     start = time.perf_counter()
+    # port 0: the server picks a free port itself (no race with another process for it)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
     with tempfile.TemporaryDirectory(prefix="fully_shard_bench_") as tmp:
         out_path = os.path.join(tmp, "result.pkl")
         ctx = mp.start_processes(
             _entry,
-            args=(fn, nprocs, _free_port(), backend, job, out_path),
+            args=(fn, nprocs, store.port, backend, job, out_path),
             nprocs=nprocs,
             join=False,
             start_method="spawn",
@@ -103,4 +107,5 @@ def run_job(
             error = "\n".join(errors)
         elif result is None and error is None:
             error = "no result from rank 0"
+    del store  # every rank has exited: the server may go
     return result, error, time.perf_counter() - start

@@ -19,8 +19,8 @@ Design:
 * One pool of worker processes per world size, started with the ``spawn``
   start method and kept alive (module-level cache) so the ~2-3 s cost of
   ``import torch`` plus process-group set-up is paid once per world size.
-* Each worker initialises the default process group once (gloo, TCPStore on
-  127.0.0.1 at a free port found by the parent) and then serves calls over a
+* Each worker initialises the default process group once (gloo, through a TCPStore
+  that the parent hosts on 127.0.0.1, as torchrun does) and then serves calls over a
   ``multiprocessing`` Pipe.  Before every call the worker runs
   ``torch.manual_seed(0)`` and resets ``torch.distributed`` state left by a
   previous test (a destroyed default group
@@ -45,7 +45,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -64,8 +63,7 @@ _ERROR_GRACE_S = 2.0
 _STARTUP_TIMEOUT_S = 120.0
 # Collective / store timeout inside the workers.
 _PG_TIMEOUT = timedelta(seconds=60)
-# Attempts to start a pool (a free port found by bind(0) can be taken by
-# someone else before rank 0 binds it).
+# Attempts to start a pool (a start-up that failed on a busy port is retried).
 _STARTUP_ATTEMPTS = 3
 
 
@@ -179,14 +177,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         except RuntimeError:  # pragma: no cover - already set
             pass
         torch.use_deterministic_algorithms(True, warn_only=True)
-        store = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            world_size,
-            is_master=(rank == 0),
-            timeout=_PG_TIMEOUT,
-            wait_for_workers=False,
-        )
+        # the parent hosts the store (as torchrun does): no rank has to outlive the others
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_PG_TIMEOUT)
         state = {"generation": 0}
         _init_default_group(store, state["generation"], rank, world_size)
     except BaseException:
@@ -230,15 +222,10 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
 # --------------------------------------------------------------------------
 
 
-def _find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _Pool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self.store: Any = None  # the rendezvous TCPStore's server
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         self.pids: list[int] = []
@@ -260,8 +247,12 @@ class _Pool:
         )
 
     def _try_start(self) -> str | None:
+        import torch.distributed as dist
+
         ctx = multiprocessing.get_context("spawn")
-        port = _find_free_port()
+        # port 0: the server takes a free port itself; it lives as long as the pool
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_PG_TIMEOUT)
+        port = self.store.port
         self.procs, self.conns, self.pids = [], [], []
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -352,6 +343,7 @@ class _Pool:
             except ValueError:  # pragma: no cover - still running after SIGKILL?
                 pass
         self.procs, self.conns = [], []
+        self.store = None  # every worker is gone: the server may go
 
 
 _POOLS: dict[int, _Pool] = {}
