@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.harness import die_with_parent
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,7 +28,8 @@ def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=400,  # under the per-test limit, so the run is killed and its output shown
+        preexec_fn=die_with_parent,  # and never outlives a killed test run
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
