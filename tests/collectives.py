@@ -17,7 +17,7 @@ Usage (inside a ``run_distributed`` body)::
 The recorder patches the collectives in the ``torch.distributed`` module namespace
 (``all_gather_single``, ``all_gather_into_tensor``, ``reduce_scatter_single``,
 ``reduce_scatter_tensor``, ``all_reduce``, ``broadcast``, ``all_gather``,
-``reduce_scatter``; those that exist in this torch). Code that looks them up on the module
+``reduce_scatter``, ``all_to_all_single``; those that exist in this torch). Code that looks them up on the module
 at call time is seen: ``fully_shard/comm.py`` (``getattr(dist, name)(...)``) and torch's
 FSDP2 (``dist.all_gather_single(...)``). Functional collectives
 (``torch.distributed._functional_collectives``, used by ``DTensor.full_tensor``) and a
@@ -48,6 +48,7 @@ _PATCHED: dict[str, tuple[str, str]] = {
     "broadcast": ("broadcast", "tensor"),
     "all_gather": ("all_gather", "tensor"),
     "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_to_all_single": ("all_to_all", "input"),
 }
 _REDUCTIONS = {"reduce_scatter", "all_reduce"}
 

@@ -1,0 +1,23 @@
+"""Optimizers for sharded parameters.
+
+``Muon`` orthogonalizes each weight matrix once, on one owner rank, and matches
+``torch.optim.Muon`` on the unsharded model; ``MuonAdamW`` and ``muon_param_groups`` make
+the usual Muon + AdamW recipe one optimizer; ``owned_matrices`` is the owner machinery for
+other matrix optimizers. See docs/optimizers.md.
+"""
+
+from .muon import Muon, newton_schulz
+from .muon_adamw import MuonAdamW, muon_param_groups
+from .owned import MatrixLayout, assign_owners, matrix_layout, newton_schulz_flops, owned_matrices
+
+__all__ = [
+    "Muon",
+    "MuonAdamW",
+    "muon_param_groups",
+    "newton_schulz",
+    "owned_matrices",
+    "matrix_layout",
+    "MatrixLayout",
+    "assign_owners",
+    "newton_schulz_flops",
+]

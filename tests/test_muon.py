@@ -1,0 +1,338 @@
+"""fully_shard.optim: Muon over sharded parameters, MuonAdamW, owned_matrices.
+
+Oracle: ``torch.optim.Muon`` (and ``torch.optim.AdamW``) on the unsharded model, run in the
+same worker on the same full gradients. Most tests feed both the same random gradients
+(the sharded model gets this rank's rows of them), so the optimizer alone is compared;
+one test takes the gradients from a real fully_shard backward.
+
+Bitwise comparisons use ``batched=False`` (Newton-Schulz by the same per-matrix ``addmm``
+operations as torch, on the same whole matrix on its owner); everything else in the step
+is elementwise on rows, so the arithmetic is the same by construction. The default
+``batched=True`` (one ``bmm`` chain per shape) is compared with a tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from fully_shard import fully_shard
+from fully_shard.optim import Muon, MuonAdamW, assign_owners, muon_param_groups, newton_schulz, owned_matrices
+from tests.collectives import CollectiveRecorder
+from tests.harness import run_distributed
+
+LR = 0.02
+
+
+class Net(nn.Module):
+    """Uneven matrices: at 4 ranks ``squeeze.weight`` (3 rows) leaves rank 3 without rows and
+    ``output.weight`` (11 rows, chunks of 3) gives rank 3 two; ``output`` is tall, the blocks wide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 24)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(24, 40, bias=False), nn.Tanh(), nn.Linear(40, 24, bias=False)) for _ in range(2)
+        )
+        self.squeeze = nn.Linear(24, 3)
+        self.output = nn.Linear(3, 11, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)  # (B, T, C)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.output(self.squeeze(h))  # (B, T, V)
+
+
+def _net(impl: str | None = None, mesh_kind: str = "fsdp") -> Net:
+    torch.manual_seed(0)
+    model = Net()
+    if impl is not None:
+        shard = fully_shard if impl == "ours" else torch_fully_shard
+        ws = dist.get_world_size()
+        mesh = (
+            init_device_mesh("cpu", (ws,))
+            if mesh_kind == "fsdp"
+            else init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+        )
+        for block in model.blocks:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+    return model
+
+
+def _rows_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out like the parameter ``like``: this rank's rows (torch.chunk) as a DTensor."""
+    if not isinstance(like, DTensor):
+        return full.clone()
+    mesh = like.device_mesh
+    local = full
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            n, world = full.shape[0], mesh.size(mesh_dim)
+            chunk = math.ceil(n / world)
+            start = min(mesh.get_local_rank(mesh_dim) * chunk, n)
+            local = full[start : min(start + chunk, n)]
+    return DTensor.from_local(local.clone(), mesh, like.placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _set_grads(model: nn.Module, ref: nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+        rp.grad = torch.randn(rp.shape, generator=gen)
+        p.grad = _rows_like(rp.grad, p)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _diffs(model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer) -> dict[str, float]:
+    """Max |difference| per parameter and momentum buffer (full tensors)."""
+    out = {}
+    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+        out[name] = (_full(p.detach()) - rp.detach()).abs().max().item()
+        if "momentum_buffer" in opt.state.get(p, {}):
+            buf = opt.state[p]["momentum_buffer"]
+            assert isinstance(buf, DTensor) == isinstance(p, DTensor), name
+            if isinstance(p, DTensor):
+                assert buf.placements == p.placements, f"{name}: {buf.placements} vs {p.placements}"
+            out[name + ".momentum_buffer"] = (_full(buf) - ref_opt.state[rp]["momentum_buffer"]).abs().max().item()
+    return out
+
+
+def _matrices(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
+
+
+def _parity(impl: str, mesh_kind: str, batched: bool, options: dict[str, Any], steps: int = 3) -> dict[str, Any]:
+    ref, model = _net(), _net(impl, mesh_kind)
+    opt = Muon(_matrices(model), lr=LR, batched=batched, **options)
+    ref_opt = torch.optim.Muon([p for _, p in _matrices(ref)], lr=LR, **options)
+    with CollectiveRecorder() as rec:
+        for step in range(steps):
+            _set_grads(model, ref, step)
+            rec.mark(f"step {step}")
+            opt.step()
+            ref_opt.step()
+    per_step = [[(r.kind, r.numel) for r in recs] for label, recs in rec.phases().items() if label]
+    return {"diffs": _diffs(model, ref, opt, ref_opt), "collectives": per_step}
+
+
+
+
+@pytest.mark.parametrize(
+    "world_size, impl, mesh_kind, options",
+    [
+        (2, "ours", "fsdp", {}),
+        (4, "ours", "fsdp", {"nesterov": False, "adjust_lr_fn": "match_rms_adamw", "ns_steps": 3, "weight_decay": 0.0}),
+        (4, "ours", "hsdp", {"momentum": 0.9}),
+        (2, "torch", "fsdp", {}),
+    ],
+)
+def test_muon_bitwise_equal_to_torch_muon_unsharded(world_size: int, impl: str, mesh_kind: str, options: dict) -> None:
+    results = run_distributed(_parity, world_size, impl, mesh_kind, False, options)
+    for rank, res in enumerate(results):
+        assert res["diffs"] and all(v == 0.0 for v in res["diffs"].values()), f"rank {rank}: {res['diffs']}"
+        # one bucket (all matrices are sharded over one group): one all-to-all each way per step
+        for step in res["collectives"]:
+            assert [kind for kind, _ in step] == ["all_to_all", "all_to_all"], step
+
+
+def test_muon_batched_newton_schulz_close_to_torch_and_moves_analytic_bytes() -> None:
+    results = run_distributed(_parity, 4, "ours", "fsdp", True, {})
+    # bf16 Newton-Schulz by bmm instead of addmm may round differently: allow 5% of one
+    # step's largest update (lr * sqrt(11/3) for the tall output) per step, 3 steps
+    tol = 3 * 0.05 * LR * math.sqrt(11 / 3)
+    torch.manual_seed(0)
+    matrices = [p for _, p in _matrices(Net())]
+    for rank, res in enumerate(results):
+        assert max(res["diffs"].values()) <= tol, f"rank {rank}: {res['diffs']}"
+        # there: this rank's rows of every matrix, in bf16 (the dtype Newton-Schulz starts with)
+        chunks = [(p.shape[0], math.ceil(p.shape[0] / 4), p.shape[1]) for p in matrices]
+        mine = sum(min(c, max(n - rank * c, 0)) * cols for n, c, cols in chunks)
+        assert all(step[0] == ("all_to_all", mine) for step in res["collectives"]), res["collectives"]
+    # back: each owner sends the rows of the matrices it owns, so all ranks together send
+    # every matrix once each way (the (W-1)/W of it that leaves its rank crosses the wire)
+    total = sum(p.numel() for p in matrices)
+    for step in range(3):
+        assert sum(res["collectives"][step][1][1] for res in results) == total
+
+
+def test_newton_schulz_batched_close_to_per_matrix() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(3, 24, 40), (2, 40, 24), (1, 5, 5)]:
+        stack = torch.randn(shape, generator=gen)
+        loop = newton_schulz(stack, batched=False)
+        # tolerance: bf16 matmuls through another kernel, 5 iterations; entries are O(1)
+        torch.testing.assert_close(newton_schulz(stack), loop, rtol=0, atol=0.05)
+        assert loop.dtype == torch.bfloat16 and loop.shape == stack.shape
+
+
+def _one_rank_and_experts() -> dict[str, Any]:
+    """World 1 (or experts sharded on dim 0): no communication; equal to per-expert torch Muon."""
+    torch.manual_seed(0)
+    experts = nn.Parameter(torch.randn(4, 6, 10))  # (E, M, N)
+    holder = nn.Module()
+    holder.experts = experts
+    fully_shard(holder, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    ref = [nn.Parameter(e.detach().clone()) for e in experts.detach()]
+    opt = Muon([("experts", holder.experts)], lr=LR, batched=False)
+    ref_opt = torch.optim.Muon(ref, lr=LR)
+    with CollectiveRecorder() as rec:
+        for step in range(2):
+            gen = torch.Generator().manual_seed(step)
+            full = torch.randn(4, 6, 10, generator=gen)
+            holder.experts.grad = _rows_like(full, holder.experts)
+            for e, p in enumerate(ref):
+                p.grad = full[e].clone()
+            opt.step()
+            ref_opt.step()
+    got = _full(holder.experts.detach())
+    return {"equal": all(torch.equal(got[e], p.detach()) for e, p in enumerate(ref)), "collectives": len(rec.collectives())}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_expert_stacks_and_one_rank_need_no_communication(world_size: int) -> None:
+    for rank, res in enumerate(run_distributed(_one_rank_and_experts, world_size)):
+        assert res == {"equal": True, "collectives": 0}, f"rank {rank}: {res}"
+
+
+def _resume(path: str, phase: str) -> dict[str, Any] | None:
+    """Save after 2 steps at one world size; load at another, take step 3; compare with 3 unsharded steps."""
+    ref, model = _net(), _net("ours")
+    opt = Muon(_matrices(model), lr=LR, batched=False)
+    ref_opt = torch.optim.Muon([p for _, p in _matrices(ref)], lr=LR)
+    if phase == "save":
+        for step in range(2):
+            _set_grads(model, ref, step)
+            opt.step()
+        osd = get_optimizer_state_dict(model, opt)
+        buf = osd["state"]["blocks.0.0.weight"]["momentum_buffer"]
+        assert isinstance(buf, DTensor) and buf.placements == (Shard(0),), buf
+        dcp.save({"model": model.state_dict(), "optim": osd}, checkpoint_id=path)
+        return None
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    for step in range(3):
+        _set_grads(model, ref, step)
+        if step == 2:
+            opt.step()
+        ref_opt.step()
+    return _diffs(model, ref, opt, ref_opt)
+
+
+def test_dcp_resume_at_another_world_size_is_exact(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_distributed(_resume, 2, path, "save")
+    for rank, diffs in enumerate(run_distributed(_resume, 4, path, "load")):
+        assert diffs and all(v == 0.0 for v in diffs.values()), f"rank {rank}: {diffs}"
+
+
+def _muon_adamw_from_backward(impl: str) -> dict[str, Any]:
+    """Real fully_shard gradients; the oracle gets their full tensors."""
+    ref, model = _net(), _net(impl)
+    groups = muon_param_groups(model)
+    split = {g["use_muon"]: [n for n, _ in g["params"]] for g in groups}
+    opt = MuonAdamW(groups, lr=LR, adamw_lr=1e-3, batched=False)
+    ref_params = dict(ref.named_parameters())
+    ref_muon = torch.optim.Muon([ref_params[n] for n in split[True]], lr=LR)
+    ref_adamw = torch.optim.AdamW([ref_params[n] for n in split[False]], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        tokens = torch.randint(0, 11, (2, 5), generator=gen)
+        model(tokens).square().mean().backward()
+        for name, p in model.named_parameters():
+            ref_params[name].grad = _full(p.grad)
+        opt.step()
+        opt.zero_grad()
+        ref_muon.step()
+        ref_adamw.step()
+    diffs = {n: (_full(p.detach()) - ref_params[n].detach()).abs().max().item() for n, p in model.named_parameters()}
+    return {"split": split, "diffs": diffs}
+
+
+@pytest.mark.parametrize("impl", ["ours", "torch"])
+def test_muon_adamw_after_real_backward_bitwise(impl: str) -> None:
+    for rank, res in enumerate(run_distributed(_muon_adamw_from_backward, 2, impl)):
+        assert res["split"] == {
+            True: ["blocks.0.0.weight", "blocks.0.2.weight", "blocks.1.0.weight", "blocks.1.2.weight", "squeeze.weight"],
+            False: ["embed.weight", "squeeze.bias", "output.weight"],
+        }, res["split"]
+        assert all(v == 0.0 for v in res["diffs"].values()), f"rank {rank}: {res['diffs']}"
+
+
+def _owned(world_shapes: list[tuple[int, int]]) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(s, generator=gen, dtype=torch.float64) for s in world_shapes]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    inputs = [distribute_tensor(f, mesh, [Shard(0)]) for f in fulls]
+    outs = [torch.empty_like(t.to_local()) for t in inputs]
+    seen = 0
+    for stack, result in owned_matrices(inputs, outs):
+        seen += stack.shape[0]
+        result.copy_(stack / torch.linalg.matrix_norm(stack, keepdim=True))  # needs whole matrices
+    expected = [_rows_like(f / torch.linalg.matrix_norm(f), t).to_local() for f, t in zip(fulls, inputs)]
+    # bitwise: the owner divides the same whole matrix by the same norm as the oracle
+    return {"seen": seen, "equal": all(torch.equal(o, e) for o, e in zip(outs, expected))}
+
+
+def test_owned_matrices_each_matrix_once_on_one_rank() -> None:
+    shapes = [(8, 5), (8, 5), (3, 7), (13, 4), (1, 9), (8, 5)]
+    results = run_distributed(_owned, 4, shapes)
+    assert all(r["equal"] for r in results), results
+    assert sum(r["seen"] for r in results) == len(shapes), results
+    assert assign_owners([8, 4, 4, 1], 2) == [0, 1, 1, 0]
+
+
+def _errors() -> list[tuple[str, str]]:
+    caught = []
+
+    def expect(exc: type[Exception], make: Any) -> None:
+        try:
+            make()
+        except exc as e:  # noqa: PERF203
+            caught.append((type(e).__name__, str(e)))
+        else:
+            caught.append(("nothing", ""))
+
+    model = _net("ours")
+    expect(ValueError, lambda: Muon(model.named_parameters()))  # squeeze.bias is 1-D
+    expect(RuntimeError, lambda: Muon([("z", nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64)))]))
+    tp_like = nn.Parameter(distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (2,)), [Shard(1)]))
+    expect(ValueError, lambda: Muon([("wq_tp", tp_like)]))
+    expect(ValueError, lambda: MuonAdamW(list(model.parameters())))
+
+    def sparse_step() -> None:
+        p = nn.Parameter(torch.zeros(3, 4))
+        opt = Muon([("sparse_w", p)])
+        p.grad = torch.zeros(3, 4).to_sparse()
+        opt.step()
+
+    expect(RuntimeError, sparse_step)
+    return caught
+
+
+def test_bad_input_errors_name_the_parameter() -> None:
+    caught = run_distributed(_errors, 2)[0]
+    expected = [
+        ("ValueError", "squeeze.bias"),
+        ("RuntimeError", "'z'"),
+        ("ValueError", "'wq_tp'"),
+        ("ValueError", "muon_param_groups"),
+        ("RuntimeError", "'sparse_w'"),
+    ]
+    for (typ, msg), (want_typ, fragment) in zip(caught, expected):
+        assert typ == want_typ and fragment in msg, (typ, msg, want_typ, fragment)
