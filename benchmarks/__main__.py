@@ -1,7 +1,7 @@
 """``python3 -m benchmarks [--quick] [--out benchmarks/results]``
 
 Benchmarks fully_shard against torch's FSDP2, DDP and one unsharded process on CPU/gloo at
-world size 2, then simulates 8..1024 ranks in one process (fake process group + meta
+world size 2, the Muon optimizer step (benchmarks/muon.py) at world 2 and 4, then simulates 8..1024 ranks in one process (fake process group + meta
 device). Writes ``<out>/<yyyy-mm-dd>-<machine>.md`` and ``.json`` (and PNG plots when
 matplotlib is installed). See docs/benchmarks.md.
 """
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="label for the code measured (default: git HEAD)")
     parser.add_argument("--skip-sim", action="store_true", help="skip the scale simulation")
     parser.add_argument("--skip-steps", action="store_true", help="skip the 2-rank jobs")
+    parser.add_argument("--skip-muon", action="store_true", help="skip the Muon optimizer table")
     args = parser.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -157,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             results["meta_apply"] = {"description": meta_desc, "result": res, "error": err, "wall_s": wall}
             _log(f"[benchmarks]   done in {wall:.0f} s")
 
+    if not args.skip_muon:
+        from . import muon
+
+        results["muon"] = muon.run(args.quick, _log)
+
     if not args.skip_sim:
         from .simulate import run_simulation
 
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind}: {path}")
     _log(f"[benchmarks] total {results['wall_s']:.0f} s")
     failed = [c["name"] for c in results["configs"] if c.get("error")]
+    failed += [f"muon-{m['world']}" for m in results.get("muon", {}).get("steps", []) if m.get("error")]
     return 1 if failed else 0
 
 

@@ -160,6 +160,10 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
         ["machine shared", env["shared_note"]],
     ]))
     out.append("")
+    if not results["configs"] and "simulation" not in results and results.get("muon"):
+        from .muon import render as render_muon
+
+        return "\n".join(out + render_muon(results["muon"])) + "\n"  # --skip-steps --skip-sim: Muon only
     out.append("Every 2-rank job is one spawn of 2 processes (gloo on CPU, 1 intra-op thread each). "
                "Step = forward + backward + AdamW step + zero_grad. Step times are the maximum over the "
                "2 ranks of each sample (a sample = the mean of several steps); fully_shard and torch FSDP2 "
@@ -376,6 +380,11 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
     out.append("")
     out.append(_table(["target", "measured", "status"], targets(results)))
     out.append("")
+
+    if results.get("muon"):
+        from .muon import render as render_muon
+
+        out.extend(render_muon(results["muon"]))
 
     # plots
     out.append("## Plots")

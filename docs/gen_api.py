@@ -140,6 +140,27 @@ def _in_torch(name: str, method: str | None = None) -> bool:
     return method is None or callable(getattr(obj, method, None))
 
 
+def _entry(name: str, obj: object, torch_names: bool, level: str = "##") -> list[str]:
+    """One public name (and a class's documented methods) as Markdown."""
+    addition = ["*fully_shard addition: not in torch's FSDP2.*", ""]
+    note = [] if (not torch_names or _in_torch(name)) else addition
+    parts = [f"{level} {name}", "", "```python", _signature(name, obj), "```", "", *note, _markdown(inspect.getdoc(obj) or "")]
+    if inspect.isclass(obj):
+        for mname, meth in _methods(obj):
+            note = [] if (not torch_names or _in_torch(name, mname)) else addition
+            parts += [
+                f"{level}# {name}.{mname}",
+                "",
+                "```python",
+                _format_signature(f"{name}.{mname}", inspect.signature(meth), drop_self=True),  # type: ignore[arg-type]
+                "```",
+                "",
+                *note,
+                _markdown(inspect.getdoc(meth) or ""),
+            ]
+    return parts
+
+
 def render() -> str:
     parts = [
         "# API reference",
@@ -151,25 +172,22 @@ def render() -> str:
         "marked *fully_shard addition*. Start with `fully_shard`.",
         "",
     ]
+    import fully_shard.optim as optim
+
     parts += [f"- [`{n}`](#{n.lower()})" + ("" if _in_torch(n) else " (addition)") for n in fully_shard.__all__]
+    parts.append(f"- [`fully_shard.optim`](#fully_shardoptim) (addition): {', '.join(f'`{n}`' for n in optim.__all__)}")
     parts.append("")
     for name in fully_shard.__all__:
-        obj = getattr(fully_shard, name)
-        note = [] if _in_torch(name) else ["*fully_shard addition: not in torch's FSDP2.*", ""]
-        parts += [f"## {name}", "", "```python", _signature(name, obj), "```", "", *note, _markdown(inspect.getdoc(obj) or "")]
-        if inspect.isclass(obj):
-            for mname, meth in _methods(obj):
-                note = [] if _in_torch(name, mname) else ["*fully_shard addition: not in torch's FSDP2.*", ""]
-                parts += [
-                    f"### {name}.{mname}",
-                    "",
-                    "```python",
-                    _format_signature(f"{name}.{mname}", inspect.signature(meth), drop_self=True),  # type: ignore[arg-type]
-                    "```",
-                    "",
-                    *note,
-                    _markdown(inspect.getdoc(meth) or ""),
-                ]
+        parts += _entry(name, getattr(fully_shard, name), torch_names=True)
+    parts += [
+        "## fully_shard.optim",
+        "",
+        "*fully_shard addition: not in torch's FSDP2.* Optimizers for sharded parameters;",
+        "see [optimizers.md](optimizers.md).",
+        "",
+    ]
+    for name in optim.__all__:
+        parts += _entry(name, getattr(optim, name), torch_names=False, level="###")
     return "\n".join(parts).rstrip() + "\n"
 
 

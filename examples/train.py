@@ -90,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-layers", type=positive_int, default=4, help="transformer blocks")
     parser.add_argument("--n-heads", type=positive_int, default=4, help="attention heads")
     parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                        help="muon: fully_shard.optim.MuonAdamW (Muon on the block matrices, AdamW on the "
+                             "rest, both at --lr: Muon's update is scaled to AdamW's RMS)")
     parser.add_argument("--max-norm", type=non_negative_float, default=1.0,
                         help="clip the global gradient norm to this (0: no clipping)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model init and the batches")
@@ -174,6 +177,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         f"--lr={args.lr!r}", f"--max-norm={args.max_norm!r}", f"--seed={args.seed}",
         f"--log-every={args.log_every}", f"--reshard-after-forward={args.reshard_after_forward}",
         f"--mixed-precision={args.mixed_precision}", f"--plot={os.path.abspath(args.plot)}",
+        f"--optimizer={args.optimizer}",
     ]
     if args.data is not None:
         argv.append(f"--data={os.path.abspath(args.data)}")
@@ -576,7 +580,15 @@ def run(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device, rank: 
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if args.optimizer == "muon":
+        from fully_shard.optim import MuonAdamW, muon_param_groups
+
+        # each block matrix orthogonalized once, on its owner rank; "match_rms_adamw" lets
+        # Muon share AdamW's learning rate (and so --lr, also on --resume)
+        optimizer = MuonAdamW(muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
+                              adamw_lr=args.lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
 
     corpus_desc = args.data or f"Python {sys.version_info.major}.{sys.version_info.minor} standard library sources"
     mesh_desc = (f"HSDP mesh {tuple(mesh.shape)} (replicate, shard)" if mesh.ndim == 2

@@ -78,6 +78,12 @@ def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
     for check in sim["fake_step_checks"]:
         assert check["fully_shard"]["matches_analytic"] is True, check
 
+    muon = results["muon"]
+    assert muon["steps"] and muon["steps"][0]["error"] is None, muon["steps"]
+    ours = muon["steps"][0]["result"]["impls"]["fully_shard.optim.Muon"]
+    assert ours["collectives"] == 2, ours  # one bucket: one all-to-all each way
+    assert all(p["sent_bytes_rank0"] == p["expected_sent_bytes_rank0"] for p in muon["simulation"]["points"])
+
     md = mds[0].read_text()
     for heading in (
         "## Step time",
@@ -86,6 +92,7 @@ def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
         "## fully_shard application time on a meta-device model",
         "## Scale simulation",
         "## Targets from the issue",
+        "## Muon optimizer step",
         "## Plots",
     ):
         assert heading in md, heading

@@ -52,6 +52,18 @@ def test_train_example_runs_and_learns() -> None:
     assert "parameter bytes per rank" in summary.string[summary.start() :], log
 
 
+def test_train_example_with_muon_learns() -> None:
+    result = _run(
+        ["--nproc", "2", "--steps", "4", "--n-layers", "1", "--dim", "32", "--seq-len", "16", "--batch-size", "2",
+         "--optimizer", "muon", "--lr", "0.01", "--no-plot", "--no-progress"],
+        timeout=150,
+    )
+    log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, log
+    losses = [float(m) for m in re.findall(r"^step\s+\d+/4 \| loss (\d+\.\d+)", result.stdout, re.M)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], log
+
+
 def test_train_example_rejects_bad_flags() -> None:
     result = _run(["--dim", "30", "--n-heads", "4"], timeout=60)
     assert result.returncode == 2, result

@@ -289,9 +289,11 @@ def _owned(world_shapes: list[tuple[int, int]]) -> dict[str, Any]:
     return {"seen": seen, "equal": all(torch.equal(o, e) for o, e in zip(outs, expected))}
 
 
-def test_owned_matrices_each_matrix_once_on_one_rank() -> None:
-    shapes = [(8, 5), (8, 5), (3, 7), (13, 4), (1, 9), (8, 5)]
-    results = run_distributed(_owned, 4, shapes)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_owned_matrices_each_matrix_once_on_one_rank(world_size: int) -> None:
+    # at 2 ranks (16, 16) goes to rank 0 and rank 1 owns the rest, shapes interleaved
+    shapes = [(8, 5), (3, 7), (8, 5), (16, 16), (13, 4), (1, 9), (8, 5)]
+    results = run_distributed(_owned, world_size, shapes)
     assert all(r["equal"] for r in results), results
     assert sum(r["seen"] for r in results) == len(shapes), results
     assert assign_owners([8, 4, 4, 1], 2) == [0, 1, 1, 0]

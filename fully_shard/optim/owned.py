@@ -170,7 +170,7 @@ def owned_matrices_local(
     outputs: Sequence[torch.Tensor],
     *,
     comm_dtype: torch.dtype | None = None,
-    cost: Callable[[tuple[int, ...]], float] = newton_schulz_flops,
+    cost: Callable[[tuple[int, ...]], float] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The engine of :func:`owned_matrices` on local tensors with known layouts.
 
@@ -180,9 +180,12 @@ def owned_matrices_local(
     the outputs) for the caller to fill. When the loop ends each ``outputs[i]`` holds this
     rank's rows of its result. All ranks of a shard group must run the loop to its end.
     """
-    local, buckets = _bucket(layouts, cost)
+    local, buckets = _bucket(layouts, cost or newton_schulz_flops)
+    # 1. send every matrix's rows to its owner: all buckets at once (waited one by one below),
+    # so the transfers run while the caller works on the local matrices and earlier buckets
+    pending = [_send_to_owners(b, layouts, inputs, comm_dtype) for b in buckets]
 
-    # 0. matrices already whole here: stack by shape, no communication
+    # matrices already whole here: stack by shape, no communication: stack by shape, no communication
     if local:
         mats = [inputs[i].reshape(-1, *inputs[i].shape[-2:]) for i in local]
         for pos in _stacks([tuple(m.shape[1:]) for m in mats]).values():
@@ -197,27 +200,31 @@ def owned_matrices_local(
                 out.copy_(result[offset : offset + count].view(out.shape))
                 offset += count
 
-    # 1. send every matrix's rows to its owner: all buckets at once, waited one by one
-    pending = [_send_to_owners(b, layouts, inputs, comm_dtype) for b in buckets]
     returns = []
     for bucket, (work, recv, recv_splits) in zip(buckets, pending):
         if work is not None:
             work.wait()
         # 2. assemble whole matrices, stacked by shape, and hand them to the caller
         mine = [k for k, owner in enumerate(bucket.owners) if owner == bucket.rank]
-        pieces = recv.split(recv_splits)  # pieces[s]: rows from rank s of my matrices, in order
+        pieces = recv.split(recv_splits)  # pieces[s]: rank s's rows of my matrices, in bucket order
+        starts = []  # starts[j][s]: where my j-th matrix's rows from rank s begin in pieces[s]
         offsets = [0] * bucket.world
+        for k in mine:
+            layout = layouts[bucket.items[k]]
+            starts.append(list(offsets))
+            for s in range(bucket.world):
+                start, end = layout.rows(s)
+                offsets[s] += (end - start) * layout.shape[1]
         shapes = [layouts[bucket.items[k]].shape for k in mine]
         results: dict[int, torch.Tensor] = {}
-        for shape, pos in _stacks(shapes).items():
+        for shape, pos in _stacks(shapes).items():  # pos: indices into mine
             stack = torch.empty((len(pos), *shape), dtype=recv.dtype, device=recv.device)
-            for b, p in enumerate(pos):
-                layout = layouts[bucket.items[mine[p]]]
+            for b, j in enumerate(pos):
+                layout = layouts[bucket.items[mine[j]]]
                 for s in range(bucket.world):
                     start, end = layout.rows(s)
-                    count = (end - start) * shape[1]
-                    stack[b, start:end].copy_(pieces[s][offsets[s] : offsets[s] + count].view(end - start, shape[1]))
-                    offsets[s] += count
+                    piece = pieces[s][starts[j][s] : starts[j][s] + (end - start) * shape[1]]
+                    stack[b, start:end].copy_(piece.view(end - start, shape[1]))
             out_dtype = outputs[bucket.items[mine[pos[0]]]].dtype
             result = torch.empty(stack.shape, dtype=out_dtype, device=stack.device)
             yield stack, result
@@ -290,7 +297,7 @@ def owned_matrices(
     *,
     names: Sequence[str] | None = None,
     comm_dtype: torch.dtype | None = None,
-    cost: Callable[[tuple[int, ...]], float] = newton_schulz_flops,
+    cost: Callable[[tuple[int, ...]], float] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Transform whole matrices once, on one owner rank each, from row-sharded inputs.
 
@@ -301,7 +308,7 @@ def owned_matrices(
     for the loop body to fill. When the loop ends, the outputs are filled. Every rank must run
     the loop to its end (it holds the collectives); a rank may own nothing. ``comm_dtype``
     casts the matrices before they travel (Muon: ``torch.bfloat16``, its compute dtype).
-    ``cost(shape)`` is the per-matrix work that owners balance.
+    ``cost(shape)`` is the per-matrix work that owners balance (default: Newton-Schulz FLOPs).
 
     Example (a matrix-sign optimizer step on sharded gradients)::
 

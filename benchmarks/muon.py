@@ -1,0 +1,300 @@
+"""Muon optimizer step: ``fully_shard.optim.Muon`` vs ``torch.optim.Muon`` over fully_shard,
+over torch's FSDP2, and on the unsharded model.
+
+Gloo jobs (world 2 and 4): the same random gradients every step (each rank gets its rows),
+Muon on the 2-D block weights of a small Llama; per implementation the median
+``optimizer.step()`` time, the collectives inside it (``CommDebugMode``: c10d and DTensor
+ones), Newton-Schulz runs, and the max difference from the unsharded run after 3 steps. The
+all-to-all time is the time of the same owner round trip with no Newton-Schulz.
+
+Simulation (fake process group, one process, rank 0 of W = 64 and 1024): the block
+matrices of a Llama 3.2 3B as DTensors sharded over W ranks; one owner round trip with the
+transform left out records the collectives and the bytes that leave the rank (the self slot
+of an all-to-all stays home), against what the layout predicts; Newton-Schulz FLOPs per
+rank come from the owner assignment.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .models import LLAMA32_3B, Llama, LlamaArgs
+
+# the issue's model: a 4-block Llama of dim 128, ffn 344
+MUON_MODEL = LlamaArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=344, vocab_size=512)
+MUON_TINY = LlamaArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=67)
+IMPLS = ("unsharded", "fully_shard.optim.Muon", "torch Muon / fully_shard", "torch Muon / torch FSDP2")
+SIM_WORLDS = (64, 1024)
+LR = 0.02
+
+
+def _block_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if n.startswith("layers.") and p.ndim == 2]
+
+
+def _rows(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if not isinstance(like, DTensor):
+        return full.clone()
+    world, rank = like.device_mesh.size(0), like.device_mesh.get_local_rank(0)
+    chunk = math.ceil(full.shape[0] / world)
+    start = min(rank * chunk, full.shape[0])
+    local = full[start : min(start + chunk, full.shape[0])].clone()
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _build(impl: str, args: LlamaArgs, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Llama(args)
+    if impl != "unsharded":
+        if impl == "torch Muon / torch FSDP2":
+            from torch.distributed.fsdp import fully_shard
+        else:
+            from fully_shard import fully_shard  # type: ignore[assignment]
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    matrices = _block_matrices(model)
+    if impl == "fully_shard.optim.Muon":
+        from fully_shard.optim import Muon
+
+        return model, Muon(matrices, lr=LR)
+    return model, torch.optim.Muon([p for _, p in matrices], lr=LR)
+
+
+def _grads(model: nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    for _, p in _block_matrices(model):
+        p.grad = _rows(torch.randn(p.shape, generator=gen), p)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from fully_shard.optim import newton_schulz_flops
+    from fully_shard.optim.owned import matrix_layout, owned_matrices_local
+
+    args, samples = LlamaArgs(**job["args"]), job["samples"]
+    out: dict[str, Any] = {"impls": {}}
+    finals: dict[str, dict[str, torch.Tensor]] = {}
+    for impl in IMPLS:
+        model, opt = _build(impl, args, world)
+        times = []
+        for step in range(3 + samples):
+            _grads(model, step % 3)
+            if step == 3:  # the first 3 steps are compared with the unsharded run
+                finals[impl] = {n: _full(p.detach()).clone() for n, p in _block_matrices(model)}
+            dist.barrier()
+            with CommDebugMode() as comm:
+                start = time.perf_counter()
+                opt.step()
+                elapsed = time.perf_counter() - start
+            times.append(elapsed)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, statistics.median(times[3:]))
+        out["impls"][impl] = {"step_s": max(per_rank), "collectives": comm.get_total_counts()}
+    for impl in IMPLS:
+        out["impls"][impl]["max_diff"] = max(
+            (finals[impl][n] - finals["unsharded"][n]).abs().max().item() for n in finals[impl]
+        )
+    # Newton-Schulz runs per matrix: torch's Muon runs it on every rank; ours once, on the owner
+    out["impls"]["unsharded"]["ns_per_matrix"] = 1
+    out["impls"]["fully_shard.optim.Muon"]["ns_per_matrix"] = 1
+    for impl in IMPLS[2:]:
+        out["impls"][impl]["ns_per_matrix"] = world
+    # the owner round trip alone (no Newton-Schulz): the all-to-all time
+    model, opt = _build("fully_shard.optim.Muon", args, world)
+    _grads(model, 0)
+    matrices = _block_matrices(model)
+    layouts = [matrix_layout(p, n) for n, p in matrices]
+    inputs = [p.grad.to_local() for _, p in matrices]
+    outs = [torch.empty(t.shape, dtype=torch.bfloat16) for t in inputs]
+    times = []
+    for _ in range(samples):
+        dist.barrier()
+        start = time.perf_counter()
+        for stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
+            result.copy_(stack)
+        times.append(time.perf_counter() - start)
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, statistics.median(times))
+    out["all_to_all_s"] = max(per_rank)
+    total_flops = sum(newton_schulz_flops(p.shape) for _, p in matrices)
+    out["ns_flops"] = _flops_per_rank([tuple(p.shape) for _, p in matrices], world)
+    out["ns_flops"]["total"] = total_flops
+    out["matrix_bytes_bf16"] = sum(p.numel() for _, p in matrices) * 2
+    out["buckets"] = 1
+    return out
+
+
+def _flops_per_rank(shapes: list[tuple[int, ...]], world: int) -> dict[str, Any]:
+    from fully_shard.optim import assign_owners, newton_schulz_flops
+
+    costs = [newton_schulz_flops(s) for s in shapes]
+    owners = assign_owners(costs, world)
+    per_rank = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+    return {"max_per_rank": max(per_rank), "ideal_per_rank": sum(costs) / world, "largest_matrix": max(costs)}
+
+
+class _SplitRecorder:
+    """Wraps ``dist.all_to_all_single`` to record its split sizes (bytes that leave the rank)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, int]] = []
+
+    def __enter__(self) -> _SplitRecorder:
+        self._orig = dist.all_to_all_single
+
+        def wrapper(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None, input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+            rank = dist.get_rank(group)
+            size = input.element_size()
+            self.calls.append(
+                {"sent_bytes": (sum(input_split_sizes) - input_split_sizes[rank]) * size,
+                 "received_bytes": (sum(output_split_sizes) - output_split_sizes[rank]) * size}
+            )
+            return self._orig(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+        dist.all_to_all_single = wrapper  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_to_all_single = self._orig  # type: ignore[assignment]
+
+
+def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
+    """Rank 0 of ``world`` on the fake process group: one owner round trip over the block matrices."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fully_shard.optim.owned import _bucket, matrix_layout, newton_schulz_flops, owned_matrices_local
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with torch.device("meta"):
+            shapes = [tuple(p.shape) for _, p in _block_matrices(Llama(args))]
+        params = []
+        for shape in shapes:
+            chunk = math.ceil(shape[0] / world)
+            local = torch.zeros(min(chunk, shape[0]), shape[1])  # rank 0's rows
+            params.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1)))
+        layouts = [matrix_layout(p, f"m{i}") for i, p in enumerate(params)]
+        inputs = [p.to_local() for p in params]
+        outs = [torch.empty(t.shape, dtype=torch.bfloat16) for t in inputs]
+        with _SplitRecorder() as rec:
+            for stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
+                result.zero_()  # the fake group moves no data; the transform is not the point here
+        _, buckets = _bucket(layouts, newton_schulz_flops)
+        owners = buckets[0].owners
+        # what the layout predicts for rank 0: its rows of others' matrices go out, the others'
+        # rows of its own matrices come in; the same both ways back
+        expected_out = sum(layout.rows(0)[1] * s[1] * 2 for layout, s, o in zip(layouts, shapes, owners) if o != 0)
+        own_rows_elsewhere = sum((s[0] - layout.rows(0)[1]) * s[1] * 2 for layout, s, o in zip(layouts, shapes, owners) if o == 0)
+        matrix_bytes = sum(s[0] * s[1] for s in shapes) * 2
+        measured = sum(c["sent_bytes"] for c in rec.calls)
+        return {
+            "world": world,
+            "matrices": len(shapes),
+            "collectives_rank0": len(rec.calls),
+            "buckets": len(buckets),
+            "sent_bytes_rank0": measured,
+            "expected_sent_bytes_rank0": expected_out + own_rows_elsewhere,
+            "analytic_all_ranks_bytes": 2 * (world - 1) / world * matrix_bytes,
+            "analytic_mean_per_rank_bytes": 2 * (world - 1) / world * matrix_bytes / world,
+            "ns_flops": _flops_per_rank(shapes, world),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def simulation_job(rank: int, world: int, job: dict[str, Any]) -> list[dict[str, Any]]:
+    args = LlamaArgs(**job["args"])
+    return [simulate_muon(w, args) for w in job["worlds"]]
+
+
+def run(quick: bool, log: Any) -> dict[str, Any]:
+    """All Muon measurements: gloo jobs at world 2 and 4, then the simulation."""
+    from .spawn import run_job
+
+    args = MUON_TINY if quick else MUON_MODEL
+    out: dict[str, Any] = {"model": args.as_dict(), "steps": [], "simulation": None}
+    for world in ((2,) if quick else (2, 4)):
+        log(f"[benchmarks] muon step, world {world}")
+        res, err, wall = run_job(muon_job, {"args": args.as_dict(), "samples": 1 if quick else 5}, nprocs=world, timeout_s=300)
+        out["steps"].append({"world": world, "result": res, "error": err, "wall_s": wall})
+    sim_args = MUON_MODEL if quick else LLAMA32_3B
+    log("[benchmarks] muon simulation (fake process group)")
+    res, err, _ = run_job(simulation_job, {"args": sim_args.as_dict(), "worlds": list(SIM_WORLDS)}, nprocs=1, backend="fake", timeout_s=300)
+    out["simulation"] = {"model": "Llama 3.2 3B block matrices" if not quick else "muon model", "points": res, "error": err}
+    return out
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def render(muon: dict[str, Any]) -> list[str]:
+    """Markdown lines of the Muon section."""
+    a = muon["model"]
+    lines = [
+        "## Muon optimizer step",
+        "",
+        f"Muon on the 2-D block weights of a {a['n_layers']}-block Llama (dim {a['dim']}, ffn {a['ffn_dim']}), "
+        "the same gradients for every implementation; median `optimizer.step()` (max over ranks), "
+        "collectives inside it (`CommDebugMode`), max |difference| from the unsharded run after 3 steps. "
+        "Goal: fully_shard.optim.Muon's step <= 1.2 x unsharded / W + the all-to-all time. "
+        "Every rank is one process with one thread: at world 4 on a 2-core machine the ranks share cores, "
+        "so compare world 4's step times with each other, not with unsharded / 4.",
+        "",
+    ]
+    for entry in muon["steps"]:
+        res, world = entry["result"], entry["world"]
+        if res is None:
+            lines += [f"World {world}: error: {entry['error']}", ""]
+            continue
+        lines += [f"### World {world} (gloo)", "", "| | step | collectives | Newton-Schulz runs per matrix | max diff vs unsharded |",
+                  "| --- | --- | --- | --- | --- |"]
+        for impl in IMPLS:
+            r = res["impls"][impl]
+            lines.append(f"| {impl} | {_ms(r['step_s'])} | {r['collectives']} | {r['ns_per_matrix']} | {r['max_diff']:.3g} |")
+        goal = 1.2 * res["impls"]["unsharded"]["step_s"] / world + res["all_to_all_s"]
+        ours = res["impls"]["fully_shard.optim.Muon"]["step_s"]
+        f = res["ns_flops"]
+        lines += [
+            "",
+            f"All-to-all round trip alone: {_ms(res['all_to_all_s'])}; goal 1.2 x unsharded / {world} + all-to-all = "
+            f"{_ms(goal)}: {'met' if ours <= goal else 'NOT met'} ({_ms(ours)}). Newton-Schulz FLOPs on the busiest rank: "
+            f"{f['max_per_rank'] / 1e6:.1f} M vs total / W = {f['ideal_per_rank'] / 1e6:.1f} M (one matrix at most "
+            f"{f['largest_matrix'] / 1e6:.1f} M).",
+            "",
+        ]
+    sim = muon["simulation"]
+    if sim and sim["points"]:
+        lines += [f"### Simulated ranks ({sim['model']}, fake process group, rank 0)", "",
+                  "| W | matrices | collectives per step | bytes sent by rank 0 | predicted by the layout | analytic 2(W-1)/W x matrix bytes / W | NS GFLOPs: busiest rank, total / W, largest matrix |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for p in sim["points"]:
+            f = p["ns_flops"]
+            lines.append(
+                f"| {p['world']} | {p['matrices']} | {p['collectives_rank0']} ({p['buckets']} bucket) | {p['sent_bytes_rank0'] / 2**20:.2f} MiB | "
+                f"{p['expected_sent_bytes_rank0'] / 2**20:.2f} MiB | {p['analytic_mean_per_rank_bytes'] / 2**20:.2f} MiB | "
+                f"{f['max_per_rank'] / 1e9:.2f}, {f['ideal_per_rank'] / 1e9:.2f}, {f['largest_matrix'] / 1e9:.2f} |"
+            )
+        lines.append("")
+    elif sim:
+        lines += [f"Simulation error: {sim['error']}", ""]
+    return lines
