@@ -587,6 +587,8 @@ def run(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device, rank: 
         # Muon share AdamW's learning rate (and so --lr, also on --resume)
         optimizer = MuonAdamW(muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
                               adamw_lr=args.lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)
+        log("optimizer: MuonAdamW (Muon on " + ", ".join(str(len(g["params"])) + (" matrices" if g["use_muon"] else
+            " other parameters on AdamW") for g in optimizer.param_groups) + ")")
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
 

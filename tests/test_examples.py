@@ -54,13 +54,14 @@ def test_train_example_runs_and_learns() -> None:
 
 def test_train_example_with_muon_learns() -> None:
     result = _run(
-        ["--nproc", "2", "--steps", "4", "--n-layers", "1", "--dim", "32", "--seq-len", "16", "--batch-size", "2",
-         "--optimizer", "muon", "--lr", "0.01", "--no-plot", "--no-progress"],
+        ["--nproc", "2", "--steps", "6", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
+         "--optimizer", "muon", "--no-plot", "--no-progress"],
         timeout=150,
     )
     log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, log
-    losses = [float(m) for m in re.findall(r"^step\s+\d+/4 \| loss (\d+\.\d+)", result.stdout, re.M)]
+    assert "MuonAdamW" in result.stdout, log
+    losses = [float(m) for m in re.findall(r"^step\s+\d+/6 \| loss (\d+\.\d+)", result.stdout, re.M)]
     assert len(losses) >= 2 and losses[-1] < losses[0], log
 
 

@@ -175,7 +175,7 @@ class Muon(torch.optim.Optimizer):
 
     def _name(self, group: dict[str, Any], i: int, p: torch.Tensor) -> str:
         if "param_names" in group:
-            return group["param_names"][i]
+            return str(group["param_names"][i])
         index = next(g for g, other in enumerate(self.param_groups) if other is group)
         return f"param_groups[{index}]['params'][{i}] of shape {tuple(p.shape)}"
 

@@ -34,11 +34,12 @@ def muon_param_groups(
         [len(g["params"]) for g in groups]   # e.g. [28, 11]: matrices, then the rest
         opt = MuonAdamW(groups, lr=0.02, adamw_lr=3e-4)
     """
-    adamw_ids = set()
+    adamw_ids: set[int] = set()
     for module_name, module in model.named_modules():
         if isinstance(module, nn.Embedding) or module_name.rsplit(".", 1)[-1] in _HEAD_NAMES:
             adamw_ids.update(id(p) for p in module.parameters())
-    muon, adamw = [], []
+    muon: list[tuple[str, nn.Parameter]] = []
+    adamw: list[tuple[str, nn.Parameter]] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

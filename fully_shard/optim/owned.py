@@ -142,7 +142,8 @@ class _Bucket:
 
 
 def _bucket(layouts: Sequence[MatrixLayout], cost: Callable[[tuple[int, ...]], float]) -> tuple[list[int], list[_Bucket]]:
-    local, by_group = [], {}
+    local: list[int] = []
+    by_group: dict[dist.ProcessGroup, list[int]] = {}
     for i, layout in enumerate(layouts):
         if layout.group is None:
             local.append(i)
@@ -206,7 +207,7 @@ def owned_matrices_local(
             work.wait()
         # 2. assemble whole matrices, stacked by shape, and hand them to the caller
         mine = [k for k, owner in enumerate(bucket.owners) if owner == bucket.rank]
-        pieces = recv.split(recv_splits)  # pieces[s]: rank s's rows of my matrices, in bucket order
+        pieces = torch.split(recv, recv_splits)  # pieces[s]: rank s's rows of my matrices, in bucket order
         starts = []  # starts[j][s]: where my j-th matrix's rows from rank s begin in pieces[s]
         offsets = [0] * bucket.world
         for k in mine:
@@ -235,7 +236,7 @@ def owned_matrices_local(
     for bucket, (work, recv, recv_splits) in zip(buckets, returns):
         if work is not None:
             work.wait()
-        pieces = recv.split(recv_splits)
+        pieces = torch.split(recv, recv_splits)
         offsets = [0] * bucket.world
         for k, owner in enumerate(bucket.owners):
             out = outputs[bucket.items[k]]
