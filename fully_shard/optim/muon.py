@@ -94,7 +94,8 @@ class Muon(torch.optim.Optimizer):
     param group sharded over the same process group (so HSDP, expert and FSDP meshes each
     get theirs). Since the owner runs the same operations on the same whole matrix, the
     result equals ``torch.optim.Muon`` on the unsharded model, given the same gradients
-    (bit for bit by construction with ``batched=False``; see :func:`newton_schulz`).
+    (bit for bit on the CPUs we measured; by construction, with ``batched=False``, it equals
+    torch's step done on each rank's rows: see docs/optimizers.md, "Exactness").
 
     No communication: plain tensors, replicated DTensors, one-rank meshes, and 3-D expert
     weights ``(E, M, N)`` sharded on dim 0 (each rank holds whole experts), which are
