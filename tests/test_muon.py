@@ -280,6 +280,42 @@ def test_expert_stacks_and_one_rank_need_no_communication(world_size: int) -> No
         assert res["torch_diff"] <= TOLERANCE, f"rank {rank}: {res}"
 
 
+def _meshes_and_plain() -> dict[str, Any]:
+    """One optimizer over an FSDP mesh of 4, an HSDP (2 replicas x 2 shards) mesh, and a plain tensor."""
+    torch.manual_seed(0)
+    full = [torch.randn(9, 6), torch.randn(7, 10), torch.randn(5, 4)]
+    fsdp_w, hsdp_w, plain_w = (nn.Linear(1, 1) for _ in range(3))
+    for module, w in zip((fsdp_w, hsdp_w, plain_w), full):
+        module.weight = nn.Parameter(w.clone())
+        del module.bias
+    fully_shard(fsdp_w, mesh=init_device_mesh("cpu", (4,)))
+    fully_shard(hsdp_w, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    params = [fsdp_w.weight, hsdp_w.weight, plain_w.weight]
+    refs = [nn.Parameter(w.clone()) for w in full]
+    opt = Muon([("fsdp", params[0]), ("hsdp", params[1]), ("plain", params[2])], lr=LR, batched=False)
+    ref_opts = [ShardwiseMuon([r], world) for r, world in zip(refs, (4, 2, 1))]  # rows over 4, 2, 1 ranks
+    with CollectiveRecorder() as rec:
+        gen = torch.Generator().manual_seed(0)
+        for p, r in zip(params, refs):
+            r.grad = torch.randn(r.shape, generator=gen)
+            p.grad = _rows_like(r.grad, p)
+        opt.step()
+    for ref_opt in ref_opts:
+        ref_opt.step()
+    return {
+        # bitwise on any CPU: the same kernels at the same positions (module docstring)
+        "equal": [torch.equal(_full(p.detach()), r.detach()) for p, r in zip(params, refs)],
+        "all_to_all_group_sizes": [r.group_size for r in rec.collectives()],
+    }
+
+
+def test_one_bucket_per_mesh_and_plain_tensors_local() -> None:
+    for rank, res in enumerate(run_distributed(_meshes_and_plain, 4)):
+        assert res["equal"] == [True, True, True], f"rank {rank}: {res}"
+        # the FSDP bucket over 4 ranks, the HSDP shard group over 2: both sends, then both returns
+        assert res["all_to_all_group_sizes"] == [4, 2, 4, 2], f"rank {rank}: {res}"
+
+
 def _resume(path: str, phase: str) -> dict[str, Any] | None:
     """Save after 2 steps at one world size; load at another, take step 3; compare with 3
     steps of the oracle (resharded like the run: 2 steps in 2 chunks, the third in 4)."""
