@@ -5,7 +5,8 @@ Gloo jobs (world 2 and 4): the same random gradients every step (each rank gets 
 Muon on the 2-D block weights of a small Llama; per implementation the median
 ``optimizer.step()`` time, the collectives inside it (``CommDebugMode``: c10d and DTensor
 ones), Newton-Schulz runs, and the max difference from the unsharded run after 3 steps. The
-all-to-all time is the time of the same owner round trip with no Newton-Schulz.
+all-to-all time is the time of the same owner round trip with no Newton-Schulz; beside it, the
+alternative of two all-gathers (every rank receives every matrix, W times the bytes).
 
 Simulation (fake process group, one process, rank 0 of W = 64 and 1024): the block
 matrices of a Llama 3.2 3B as DTensors sharded over W ranks; one owner round trip with the
@@ -132,6 +133,36 @@ def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     per_rank = [None] * world
     dist.all_gather_object(per_rank, statistics.median(times))
     out["all_to_all_s"] = max(per_rank)
+    # the alternative without all-to-all: all-gather every matrix's rows to every rank (the
+    # owners take theirs), then all-gather the owners' results (each rank takes its rows);
+    # timed as two all-gathers of the bf16 bucket, padded to W equal slots, with no copies
+    padded = sum(math.ceil(p.shape[0] / world) * p.shape[1] for _, p in matrices)
+    send = torch.zeros(padded, dtype=torch.bfloat16)
+    recv = torch.empty(padded * world, dtype=torch.bfloat16)
+    times = []
+    for _ in range(samples):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(2):
+            dist.all_gather_into_tensor(recv, send)
+        times.append(time.perf_counter() - start)
+    dist.all_gather_object(per_rank, statistics.median(times))
+    out["all_gather_s"] = max(per_rank)
+    # and the two all-to-alls alone, replayed with the split sizes of the round trip, no copies
+    with _SplitRecorder() as rec:
+        for stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
+            result.copy_(stack)
+    buffers = [(torch.empty(sum(c["output_splits"]), dtype=torch.bfloat16), torch.zeros(sum(c["input_splits"]), dtype=torch.bfloat16), c)
+               for c in rec.calls]
+    times = []
+    for _ in range(samples):
+        dist.barrier()
+        start = time.perf_counter()
+        for o, i, c in buffers:
+            dist.all_to_all_single(o, i, c["output_splits"], c["input_splits"])
+        times.append(time.perf_counter() - start)
+    dist.all_gather_object(per_rank, statistics.median(times))
+    out["all_to_all_raw_s"] = max(per_rank)
     total_flops = sum(newton_schulz_flops(p.shape) for _, p in matrices)
     out["ns_flops"] = _flops_per_rank([tuple(p.shape) for _, p in matrices], world)
     out["ns_flops"]["total"] = total_flops
@@ -163,7 +194,8 @@ class _SplitRecorder:
             size = input.element_size()
             self.calls.append(
                 {"sent_bytes": (sum(input_split_sizes) - input_split_sizes[rank]) * size,
-                 "received_bytes": (sum(output_split_sizes) - output_split_sizes[rank]) * size}
+                 "received_bytes": (sum(output_split_sizes) - output_split_sizes[rank]) * size,
+                 "input_splits": list(input_split_sizes), "output_splits": list(output_split_sizes)}
             )
             return self._orig(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
@@ -276,7 +308,9 @@ def render(muon: dict[str, Any]) -> list[str]:
         f = res["ns_flops"]
         lines += [
             "",
-            f"All-to-all round trip alone: {_ms(res['all_to_all_s'])}; goal 1.2 x unsharded / {world} + all-to-all = "
+            f"All-to-all round trip alone: {_ms(res['all_to_all_s'])} (its two all-to-alls without the copies: "
+            f"{_ms(res['all_to_all_raw_s'])}; the all-gather alternative, two all-gathers of the bucket without "
+            f"copies: {_ms(res['all_gather_s'])}); goal 1.2 x unsharded / {world} + all-to-all = "
             f"{_ms(goal)}: {'met' if ours <= goal else 'NOT met'} ({_ms(ours)}). Newton-Schulz FLOPs on the busiest rank: "
             f"{f['max_per_rank'] / 1e6:.1f} M vs total / W = {f['ideal_per_rank'] / 1e6:.1f} M (one matrix at most "
             f"{f['largest_matrix'] / 1e6:.1f} M).",
