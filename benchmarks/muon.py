@@ -139,12 +139,13 @@ def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     padded = sum(math.ceil(p.shape[0] / world) * p.shape[1] for _, p in matrices)
     send = torch.zeros(padded, dtype=torch.bfloat16)
     recv = torch.empty(padded * world, dtype=torch.bfloat16)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     times = []
     for _ in range(samples):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(2):
-            dist.all_gather_into_tensor(recv, send)
+            gather(recv, send)
         times.append(time.perf_counter() - start)
     dist.all_gather_object(per_rank, statistics.median(times))
     out["all_gather_s"] = max(per_rank)
