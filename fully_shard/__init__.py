@@ -5,9 +5,9 @@ Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
     from fully_shard import fully_shard
 """
 
-from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import FSDPModule, ShardPlacementResult, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .init import broadcast_full_state_dict, materialize
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .tools.clip import clip_grad_norm_
 from .tools.plan import plan
 
@@ -19,6 +19,9 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "register_fsdp_forward_method",
+    "DataParallelMeshDims",
+    "share_comm_ctx",
+    "ShardPlacementResult",
     # beyond torch's FSDP2
     "materialize",
     "broadcast_full_state_dict",

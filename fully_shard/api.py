@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Iterable
-from typing import Any, Callable, overload
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, overload
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -16,10 +19,35 @@ from torch.distributed.tensor import DTensor, Shard
 from .group import GroupState, ParamGroup
 from .mesh import mesh_info_for, post_forward_info
 from .param import ShardedParam
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, FSDPState, state_of
+from .streams import Streams
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "ShardPlacementResult",
+]
+
+
+@dataclass
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return to name the mesh as well as the placement.
+
+    ``mesh_info`` is anything with a ``mesh`` attribute (torch's ``FSDPMeshInfo`` too). Only
+    the mesh passed to ``fully_shard`` is supported: a parameter on another mesh (e.g. expert
+    weights) goes into its own ``fully_shard`` call with ``mesh=`` that mesh.
+
+    Example::
+
+        >>> fully_shard(moe, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(1), info))
+    """
+
+    placement: Shard | None
+    mesh_info: Any
 
 
 class _Owner:
@@ -61,6 +89,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh`` (ZeRO-3).
 
@@ -107,6 +136,11 @@ def fully_shard(
             reduce-scatter. On a CPU mesh everything already lives in host memory, so it
             changes nothing there (and never pins memory without an accelerator).
         ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
+        dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every
+            parameter a DTensor on it, ``Replicate()`` on the data-parallel dims this names;
+            fully_shard shards over ``shard`` (HSDP: replicates over ``replicate``) and the
+            sharded parameters stay DTensors on the full mesh. One shard and at most one
+            replicate dim name are supported.
 
     Returns:
         ``module``, its class now also an :class:`FSDPModule`.
@@ -127,9 +161,11 @@ def fully_shard(
         raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
-    mesh_info = mesh_info_for(mesh)
+    mesh_info = mesh_info_for(mesh, dp_mesh_dims)
     post_forward = None
     if type(reshard_after_forward) is int:
+        if dp_mesh_dims is not None:
+            raise NotImplementedError("reshard_after_forward=<int> is not supported with dp_mesh_dims; pass True or False")
         post_forward = post_forward_info(mesh_info, reshard_after_forward)
     device = mesh_info.device
     ignored = set(ignored_params or ())
@@ -141,7 +177,7 @@ def fully_shard(
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = offload and offload_policy.pin_memory  # type: ignore[attr-defined]
     sharded = [
-        ShardedParam(p, fqn, uses, mesh_info, device, mp_policy, offload, pin, _shard_dim(shard_placement_fn, p, fqn))
+        ShardedParam(p, fqn, uses, mesh_info, device, mp_policy, offload, pin, _shard_dim(shard_placement_fn, p, fqn, mesh_info.mesh))
         for p, (fqn, uses) in found.items()
     ]
     _move_buffers(modules, device)
@@ -237,13 +273,22 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
         m.register_load_state_dict_pre_hook(load_pre_hook)
 
 
-def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None, param: nn.Parameter, fqn: str) -> int:
+def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, mesh: DeviceMesh) -> int:
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # a ShardPlacementResult
+        other = getattr(placement.mesh_info, "mesh", None)
+        if other is not mesh and other != mesh:
+            raise NotImplementedError(
+                f"shard_placement_fn put parameter {fqn!r} on another mesh than the one passed to "
+                "fully_shard: per-parameter meshes are not supported. Shard such parameters "
+                "(e.g. the experts) in their own fully_shard call with mesh=<their mesh>."
+            )
+        placement = placement.placement
     if placement is None:
         return 0
     if type(placement) is not Shard:
         raise ValueError(
-            f"shard_placement_fn must return Shard(dim) or None, got {placement!r} for parameter {fqn!r}"
+            f"shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, got {placement!r} for parameter {fqn!r}"
         )
     dim = placement.dim
     if not -param.dim() <= dim < param.dim():
@@ -258,7 +303,7 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
     for m in modules:
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
                 f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its "
                 "parameters would never be gathered. Shard each member, or pass the members "
@@ -344,7 +389,8 @@ def _no_deepcopy(self: nn.Module, memo: Any) -> Any:
 
 
 class UnshardHandle:
-    """The all-gather issued by ``FSDPModule.unshard(async_op=True)``.
+    """The all-gather issued by ``FSDPModule.unshard(async_op=True)``. Constructed directly
+    (``UnshardHandle()``) it has nothing to wait for, as in torch.
 
     Example::
 
@@ -353,11 +399,15 @@ class UnshardHandle:
         >>> handle.wait()  # block's full parameters are now in place
     """
 
+    def wait(self) -> None:
+        """Block until the all-gather finished and the full parameters are in place."""
+
+
+class _GroupUnshardHandle(UnshardHandle):
     def __init__(self, group: ParamGroup | None) -> None:
         self._group = group
 
     def wait(self) -> None:
-        """Block until the all-gather finished and the full parameters are in place."""
         if self._group is not None:
             self._group.wait_for_unshard()
             self._group = None
@@ -377,6 +427,8 @@ class FSDPModule:
         >>> model.set_requires_gradient_sync(True)
         >>> model(x2).sum().backward()  # reduce-scatters the accumulated gradients
     """
+
+    _is_fsdp_managed_module = True  # how Hugging Face transformers recognises an FSDP2 model
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # nn.Sequential / nn.ModuleList slicing builds ``self.__class__(...)``: hand back
@@ -431,7 +483,7 @@ class FSDPModule:
             for p in group.params:
                 p.check_materialized()
             group.unshard(async_op=True)
-        handle = UnshardHandle(group)
+        handle = _GroupUnshardHandle(group)
         if async_op:
             return handle
         handle.wait()
@@ -464,7 +516,7 @@ class FSDPModule:
             if state.group is not None:
                 state.group.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free full parameters after forward (and gather them again in backward)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
@@ -489,10 +541,11 @@ class FSDPModule:
         state_of(self).backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")  # type: ignore[arg-type]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by ``factor`` instead of averaging over the ranks."""
+        """Divide this module's summed gradients by ``factor`` instead of averaging over the
+        ranks (this module's group only, as in torch: call it on each FSDP module)."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor!r}")
-        for state in self._fully_shard_states(recurse=True):
+        for state in self._fully_shard_states(recurse=False):
             if state.group is not None:
                 state.group.gradient_divide_factor = float(factor)
 
@@ -503,6 +556,133 @@ class FSDPModule:
         state.lazy_init()
         assert state.ctx is not None
         state.ctx.post_optim_event = event
+
+
+    # -- torch 2.13's communication controls ---------------------------------------------
+
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        return [s.group for s in self._fully_shard_states(recurse) if s.group is not None]
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward all-gathers this module's parameters again. ``False`` saves that
+        all-gather for modules whose backward does not need the parameters (e.g. an
+        embedding); backward must then really not use them."""
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduce-scatter zeros for parameters that got no gradient this backward, so ranks
+        that use different parameters of a group (mixture-of-experts routing, multi-modal
+        branches) still issue the same collective (DDP's ``find_unused_parameters``). The
+        group's module must run forward on every rank."""
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Use ``comm`` for this module's all-gathers: torch's ``AllGather`` interface, i.e.
+        ``comm.allocate(size, *, dtype, device)`` for the output buffer and
+        ``comm(output_tensor, input_tensor, group, async_op=False)`` returning a Work or None."""
+        _check_comm(comm, "set_custom_all_gather")
+        for group in self._groups(recurse=False):
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Use ``comm`` for this module's reduce-scatters: torch's ``ReduceScatter``
+        interface, ``comm.allocate(...)`` for both buffers and
+        ``comm(output_tensor, input_tensor, group, op, async_op=False)``."""
+        _check_comm(comm, "set_custom_reduce_scatter")
+        for group in self._groups(recurse=False):
+            group.reduce_scatter_comm = comm
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
+        """Call ``hook(output)`` on each reduced flat gradient shard before it is divided and
+        accumulated: the reduce-scatter output (FSDP) or the all-reduce output (HSDP), e.g. to
+        all-reduce across replicas yourself. ``stream`` is only allowed without HSDP, as in
+        torch; the hook runs on the reduce-scatter stream here (the CPU has none)."""
+        for group in self._groups(recurse=False):
+            if stream is not None and group.mesh_info.replicate_group is not None:
+                raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (a 2-D mesh)")
+            group.all_reduce_hook = hook
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in torch: use :meth:`set_gradient_divide_factor`."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce this module's gradients with ``ReduceOp.SUM`` only (never ``AVG``), dividing
+        in a separate step (this module's group only, as in torch)."""
+        for group in self._groups(recurse=False):
+            group.force_sum_reduction = enable
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Validated and recorded for torch compatibility; fully_shard frees each reduce-scatter
+        input when its reduction finishes (at most two reductions are in flight), so the value
+        does not change behaviour."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for group in self._groups(recurse):
+            group.max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run reduce-scatters on a process group of their own (one per set of shard ranks,
+        created here: call it on every rank), so they can overlap with all-gathers."""
+        for group in self._groups(recurse):
+            group.reduce_scatter_group = _separate_group(group.mesh_info.shard_group) if enable else None
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported: ``True`` raises (a NCCL allocation optimisation; fully_shard
+        allocates communication buffers with the ordinary allocator). ``False`` is a no-op."""
+        if enable:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_allocate_memory_from_process_group_for_comm(True): fully_shard "
+                "does not allocate communication buffers from the process group. It only changes "
+                "where NCCL staging buffers live, not the results: remove the call."
+            )
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Not supported: raises. Symmetric-memory all-gathers need NCCL's symmetric memory,
+        which fully_shard does not use (and gloo has none)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): fully_shard does not support "
+            "symmetric-memory all-gathers (a NCCL-only optimisation; gloo has no symmetric memory). "
+            "Results are the same without it: remove the call."
+        )
+
+
+def _check_comm(comm: Any, method: str) -> None:
+    if not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        raise ValueError(f"{method} expects a Comm: an object with allocate(size, *, dtype, device) and __call__, got {type(comm).__name__}")
+
+
+_SEPARATE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _separate_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _SEPARATE_GROUPS:
+        _SEPARATE_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _SEPARATE_GROUPS[ranks]
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (e.g. the stages of a pipeline) share one set of communication
+    streams, so their buffers do not fragment memory across streams. Call it before their
+    first forward. No effect on the CPU, which has no streams.
+
+    Example::
+
+        >>> share_comm_ctx([stage0_model, stage1_model])
+    """
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects modules sharded by fully_shard, got a {type(m).__name__}")
+    if modules:
+        shared = Streams(state_of(modules[0]).device)  # type: ignore[arg-type]
+        for m in modules:
+            state_of(m).shared_streams = shared  # type: ignore[arg-type]
 
 
 def _states_of(modules: list[FSDPModule], method: str) -> list[FSDPState]:
@@ -537,3 +717,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(orig(*args, **kwargs))
 
     module.__dict__[method_name] = wrapped
+
+
+def _state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the module's fully_shard state, or None (as in torch,
+    whose state object has other, private, members)."""
+    return getattr(module, STATE_ATTR, None)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]

@@ -128,7 +128,8 @@ class AllGatherWork:
         if self.work is not None:
             _wait(self.work, self.what)
             self.work = None
-            _finish(self.event)
+        _finish(self.event)
+        self.event = None
         return self.output
 
 
@@ -148,7 +149,8 @@ class ReduceScatterWork:
         if self.work is not None:
             _wait(self.work, self.what)
             self.work = None
-            _finish(self.event)
+        _finish(self.event)
+        self.event = None
         self.input = None
         return self.output
 
@@ -170,6 +172,7 @@ def all_gather(
     device: torch.device,
     async_op: bool,
     what: str = "all-gather",
+    custom: Any = None,
 ) -> AllGatherWork:
     """Pack ``shards`` (each padded to its ``shard_numels`` entry) into this rank's slot
     (``rank`` in ``group``) of the output and all-gather in place.
@@ -178,7 +181,10 @@ def all_gather(
     of the unsharded buffers, which no user ever sees.
     """
     total = sum(shard_numels)
-    out = torch.empty(total * world_size, dtype=dtype, device=device)
+    if custom is not None:  # torch's Comm API: the user allocates and communicates
+        out = custom.allocate((total * world_size,), dtype=dtype, device=device)
+    else:
+        out = torch.empty(total * world_size, dtype=dtype, device=device)
     inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
     slots = [
         flat[: s.numel()] for flat, s in zip(torch.split(inp, shard_numels), shards)
@@ -187,7 +193,11 @@ def all_gather(
         torch._foreach_copy_(slots, [s.reshape(-1) for s in shards])
     if world_size == 1:
         return AllGatherWork(None, inp, out, world_size, what)
-    work, event = _issue("all_gather", what, group, inp, lambda: getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op))
+    if custom is not None:
+        call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=async_op)  # noqa: E731
+    else:
+        call = lambda: getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)  # noqa: E731
+    work, event = _issue("all_gather", what, group, inp, call)
     return AllGatherWork(work, inp, out, world_size, what, event)
 
 
@@ -211,17 +221,20 @@ def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], des
 
 
 def divide_factors(
-    dtype: torch.dtype, data_parallel_size: int, factor: float | None
+    dtype: torch.dtype, data_parallel_size: int, factor: float | None, force_sum: bool = False
 ) -> tuple[dist.ReduceOp.RedOpType, float | None, float | None]:
     """How to average: (reduce op, pre-divide, post-divide).
 
     fp32/bf16 use ``ReduceOp.AVG``; a custom factor divides first and sums (gloo has no
     ``PREMUL_SUM``). Narrow dtypes (fp16) split the division around the sum, a power of two
     near the square root first, so neither the summands nor the sum leave their range.
+    ``force_sum`` (``set_force_sum_reduction_for_comms``): sum, then divide once after.
     """
-    if factor is None and dtype in _AVG_SAFE_DTYPES:
+    if factor is None and dtype in _AVG_SAFE_DTYPES and not force_sum:
         return (dist.ReduceOp.AVG if data_parallel_size > 1 else dist.ReduceOp.SUM), None, None
     total = float(data_parallel_size if factor is None else factor)
+    if force_sum and dtype in _AVG_SAFE_DTYPES:
+        return dist.ReduceOp.SUM, None, total
     if dtype in _AVG_SAFE_DTYPES:
         return dist.ReduceOp.SUM, total, None
     pre = float(1 << max(0, math.ceil(math.log2(math.sqrt(total))))) if total > 1 else 1.0
@@ -237,6 +250,8 @@ def reduce_scatter(
     divide_factor: float | None,
     async_op: bool,
     what: str = "reduce-scatter",
+    custom: Any = None,
+    force_sum: bool = False,
 ) -> ReduceScatterWork:
     """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard.
 
@@ -244,17 +259,24 @@ def reduce_scatter(
     the caller all-reduces the output across replicas (``all_reduce_op``) and then applies
     ``post_divide``.
     """
-    op, pre, post = divide_factors(dtype, world_size * replicate_size, divide_factor)
+    op, pre, post = divide_factors(dtype, world_size * replicate_size, divide_factor, force_sum)
     if len({g.dtype for g in grads}) > 1:
         grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
     # (world_size, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded,
     # cast to the reduce dtype on the way (no separate cast copy)
     cols = sum(math.ceil(g.shape[0] / world_size) * math.prod(g.shape[1:]) for g in grads)
-    inp = torch.empty(world_size, cols, dtype=dtype, device=grads[0].device)
+    device = grads[0].device
+    if custom is not None and world_size > 1:  # torch's Comm API
+        inp = custom.allocate((world_size * cols,), dtype=dtype, device=device).view(world_size, cols)
+    else:
+        inp = torch.empty(world_size, cols, dtype=dtype, device=device)
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=inp)
     if pre is not None and pre != 1:
         inp.div_(pre)
-    out = torch.empty(inp.shape[1], dtype=dtype, device=inp.device)
+    if custom is not None and world_size > 1:
+        out = custom.allocate((cols,), dtype=dtype, device=device)
+    else:
+        out = torch.empty(cols, dtype=dtype, device=device)
     if world_size == 1:
         out.copy_(inp.view(-1))
         return ReduceScatterWork(None, inp, out, post, op, what)
@@ -264,6 +286,8 @@ def reduce_scatter(
         what,
         group,
         flat,
-        lambda: getattr(dist, _REDUCE_SCATTER)(out, flat, op=op, group=group, async_op=async_op),
+        (lambda: custom(output_tensor=out, input_tensor=flat, group=group, op=op, async_op=async_op))
+        if custom is not None
+        else (lambda: getattr(dist, _REDUCE_SCATTER)(out, flat, op=op, group=group, async_op=async_op)),
     )
     return ReduceScatterWork(work, inp, out, post, op, what, event)

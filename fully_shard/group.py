@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -64,6 +64,14 @@ class ParamGroup:
         self.requires_all_reduce = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
+        self.unshard_in_backward = True
+        self.reduce_scatter_unused_params = False  # reduce zeros for unused parameters
+        self.force_sum_reduction = False
+        self.max_input_buffers = 1  # recorded only (see set_reduce_scatter_max_input_buffers)
+        self.all_gather_comm: Any = None  # torch's Comm API (set_custom_all_gather)
+        self.reduce_scatter_comm: Any = None
+        self.reduce_scatter_group: torch.distributed.ProcessGroup | None = None  # None: the shard group
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # set by pre-forward under grad mode; cleared once post-backward has run
         self.needs_post_backward = False
 
@@ -104,6 +112,7 @@ class ParamGroup:
                     self.device,
                     async_op=True,
                     what=f"all-gather of {self.label}'s parameters",
+                    custom=self.all_gather_comm,
                 )
                 for bucket in self._gather_buckets
             ]
@@ -120,6 +129,7 @@ class ParamGroup:
                 self.device,
                 async_op=True,
                 what=f"backward all-gather of {self.label}'s parameters within {pf.size} ranks",
+                custom=self.all_gather_comm,
             )
             for bucket in self._gather_buckets
         ]
@@ -225,6 +235,9 @@ class ParamGroup:
                 if grad is not None:
                     p.accumulated_grad.add_(grad)
                 grad = p.accumulated_grad
+            if grad is None and self.reduce_scatter_unused_params and p.sharded_param.requires_grad:
+                # unused here, maybe used on another rank: every rank reduces the same tensors
+                grad = torch.zeros(p.size, dtype=p.reduce_dtype, device=self.device)
             if grad is None:
                 continue
             if not self.requires_gradient_sync:
@@ -251,13 +264,15 @@ class ParamGroup:
         info = self.mesh_info
         return comm.reduce_scatter(
             [p.grad_for_reduce(grads[id(p)]) for p in bucket],
-            info.shard_group,
+            self.reduce_scatter_group or info.shard_group,
             info.shard_size,
             info.replicate_size,
             bucket[0].reduce_dtype,
             self.gradient_divide_factor,
             async_op=True,
             what=f"reduce-scatter of {self.label}'s gradients",
+            custom=self.reduce_scatter_comm,
+            force_sum=self.force_sum_reduction,
         )
 
     def finish_reduce(self, pending: PendingReduce) -> None:
@@ -284,6 +299,8 @@ class ParamGroup:
                     self._partials[key] = output  # reduced within the shard group only
                     continue
                 comm.all_reduce(output, info.replicate_group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients")
+            if self.all_reduce_hook is not None:
+                self.all_reduce_hook(output)
             if work.post_divide is not None and work.post_divide != 1:
                 output.div_(work.post_divide)
             offset = 0

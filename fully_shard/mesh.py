@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .policy import DataParallelMeshDims
+
 
 @dataclass
 class MeshInfo:
@@ -16,6 +18,10 @@ class MeshInfo:
     mesh: DeviceMesh
     shard_mesh_dim: int  # mesh dim that parameters are sharded over
     replicate_mesh_dim: int | None  # HSDP: mesh dim that parameters are replicated over
+    # dp_mesh_dims: the full SPMD mesh the parameters live on, and its data-parallel dims
+    spmd_mesh: DeviceMesh | None = None
+    spmd_shard_dim: int | None = None  # index in spmd_mesh of the dim this mesh's shard dim is
+    spmd_replicate_dim: int | None = None
 
     def __post_init__(self) -> None:
         self.shard_group: dist.ProcessGroup = self.mesh.get_group(self.shard_mesh_dim)
@@ -97,12 +103,14 @@ def post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
     return _POST_FORWARD_GROUPS[key]
 
 
-def mesh_info_for(mesh: DeviceMesh | None) -> MeshInfo:
+def mesh_info_for(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None = None) -> MeshInfo:
     """Validate ``mesh`` for fully_shard and return its data-parallel view."""
     if mesh is None:
         mesh = default_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"fully_shard expects mesh to be a DeviceMesh, got {type(mesh).__name__}")
+    if dp_mesh_dims is not None:
+        return _spmd_mesh_info(mesh, dp_mesh_dims)
     if mesh.ndim == 1:
         return MeshInfo(mesh, shard_mesh_dim=0, replicate_mesh_dim=None)
     if mesh.ndim == 2:
@@ -120,3 +128,28 @@ def mesh_info_for(mesh: DeviceMesh | None) -> MeshInfo:
         f"{mesh.ndim}-D mesh with shape {tuple(mesh.shape)} and dim names {mesh.mesh_dim_names}; "
         "pass the data-parallel sub-mesh, e.g. mesh['dp']"
     )
+
+
+def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
+    """``dp_mesh_dims``: the data-parallel sub-mesh of a full SPMD mesh, remembering where its
+    dims sit in the full mesh (the sharded DTensors live on the full mesh)."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise ValueError(f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("dp_mesh_dims names mesh dims, but this mesh has no mesh_dim_names: build it with init_device_mesh(..., mesh_dim_names=...)")
+    for name in dims.shard_names + dims.replicate_names:
+        if name not in names:
+            raise ValueError(f"dp_mesh_dims names the mesh dim {name!r}, which is not one of this mesh's dims {names}")
+    if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(
+            f"fully_shard supports dp_mesh_dims with exactly one shard dim and at most one replicate "
+            f"dim, got {dims}. Flatten the dims into one named dim of the mesh first "
+            "(mesh[names]._flatten(name)), or pass mesh=<data-parallel sub-mesh> without dp_mesh_dims."
+        )
+    shard_index = names.index(dims.shard_names[0])
+    if not dims.replicate_names:
+        return MeshInfo(mesh[dims.shard_names[0]], 0, None, mesh, shard_index, None)
+    rep_index = names.index(dims.replicate_names[0])
+    dp_mesh = DeviceMesh._concatenate([mesh[dims.replicate_names[0]], mesh[dims.shard_names[0]]])
+    return MeshInfo(dp_mesh, 1, 0, mesh, shard_index, rep_index)

@@ -66,6 +66,8 @@ class ShardedParam:
 
         # tensor parallelism: FSDP shards the TP-local tensor
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        if mesh_info.spmd_mesh is not None:
+            _check_spmd_param(param, fqn, mesh_info)
         data = param._local_tensor if isinstance(param, DTensor) else param
         self.size = data.shape  # of the (TP-local) tensor that is gathered
         if shard_dim < 0:
@@ -139,6 +141,17 @@ class ShardedParam:
         info = self.mesh_info
         placement: Placement = Shard(self.shard_dim)
         dp: tuple[Placement, ...]
+        if info.spmd_mesh is not None:  # dp_mesh_dims: Shard the dp dim of the parameter's own mesh
+            assert self.tp_spec is not None and info.spmd_shard_dim is not None
+            placements = list(self.tp_spec.placements)
+            # the dims after the dp dim that shard the same tensor dim already split it first
+            split = math.prod(
+                info.spmd_mesh.size(j)
+                for j in range(info.spmd_shard_dim + 1, info.spmd_mesh.ndim)
+                if isinstance(placements[j], Shard) and placements[j].dim == self.shard_dim  # type: ignore[attr-defined]
+            )
+            placements[info.spmd_shard_dim] = _StridedShard(self.shard_dim, split_factor=split) if split > 1 else placement
+            return DTensorSpec(info.spmd_mesh, tuple(placements), self.tp_spec.tensor_meta)
         if self.tp_spec is None:
             dp = (placement,) if info.replicate_mesh_dim is None else (Replicate(), placement)
             meta = TensorMeta(param.shape, _contiguous_stride(param.shape), self.dtype)
@@ -281,8 +294,13 @@ class ShardedParam:
         grad = None if self.unsharded_param is None else self.unsharded_param.grad
         if isinstance(grad, DTensor):
             assert self.tp_spec is not None
-            if grad.placements != self.tp_spec.placements:  # e.g. Partial from sequence parallelism
-                grad = grad.redistribute(placements=self.tp_spec.placements)
+            target = list(self.tp_spec.placements)
+            info = self.mesh_info
+            for i in (info.spmd_shard_dim, info.spmd_replicate_dim):
+                if i is not None:  # dp_mesh_dims: the reduce-scatter below reduces these dims
+                    target[i] = grad.placements[i]
+            if tuple(grad.placements) != tuple(target):  # e.g. Partial from sequence parallelism
+                grad = grad.redistribute(placements=target)
             grad = grad._local_tensor
         return grad
 
@@ -309,3 +327,20 @@ class ShardedParam:
             self.sharded_param.grad = self.to_sharded_dtensor(local)
         else:
             grad._local_tensor.add_(local)
+
+
+def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
+    """dp_mesh_dims: the parameter is a DTensor on the full mesh, replicated on the dp dims."""
+    if not isinstance(param, DTensor) or param.device_mesh != info.spmd_mesh:
+        raise ValueError(
+            f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} must be a DTensor on the mesh passed "
+            f"to fully_shard (e.g. from distribute_module / parallelize_module), got "
+            f"{'a DTensor on another mesh' if isinstance(param, DTensor) else 'a plain tensor'}"
+        )
+    for i in (info.spmd_shard_dim, info.spmd_replicate_dim):
+        if i is not None and not isinstance(param.placements[i], Replicate):
+            raise ValueError(
+                f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has placement "
+                f"{param.placements[i]} on the data-parallel mesh dim "
+                f"{info.spmd_mesh.mesh_dim_names[i]!r}; it must be Replicate() there"  # type: ignore[union-attr, index]
+            )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,36 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data-parallel, for ``fully_shard(...,
+    dp_mesh_dims=)``: parameters are then DTensors on that whole mesh, ``Replicate()`` on
+    these dims, and fully_shard shards them over ``shard`` (and replicates over ``replicate``,
+    HSDP). A tuple of names is flattened into one dim.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> fully_shard(block, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims needs shard, replicate or both to name a mesh dim")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)

@@ -106,6 +106,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, overrides implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self._post_forward_index = -1
+        self.shared_streams: Streams | None = None  # share_comm_ctx
         self._register_hooks()
 
     # -- hooks -----------------------------------------------------------------------
@@ -167,7 +168,7 @@ class FSDPState:
                     )
                 names[id(state)] = name
                 states.append(state)
-        ctx = RootContext(states, Streams(self.device))
+        ctx = RootContext(states, self.shared_streams or Streams(self.device))
         for state in states:
             state.ctx = ctx
             if state.group is not None:
@@ -288,7 +289,7 @@ class FSDPState:
         with record_function("fully_shard::pre_backward"):
             self._queue_final_callback()
             self.training_state = TrainingState.PRE_BACKWARD
-            if self.group is not None:
+            if self.group is not None and self.group.unshard_in_backward:
                 self.group.unshard()
                 self._prefetch(self._backward_prefetch_targets())
 

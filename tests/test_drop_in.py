@@ -1,0 +1,430 @@
+"""Drop-in with torch 2.13's FSDP2: the same public names, signatures and methods, and the
+communication controls behaving as torch's do on the same model.
+
+Behaviour tests train two copies of one small transformer side by side on 2 gloo ranks:
+``fully_shard`` from this package and ``torch.distributed.fsdp.fully_shard`` (the oracle),
+each configured through the same method calls, and compare losses and parameters.
+Bitwise where noted: with 2 ranks both reduce the same flat layout with the same op, and an
+average (or sum) of two numbers does not depend on the order of the reduction.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import fully_shard as ours_pkg
+from tests.harness import run_distributed
+from tests.models import ModelArgs, Transformer, batch, loss_fn
+
+ARGS = ModelArgs(n_layers=2, dim=32, ffn_dim=48, vocab_size=37)
+
+# ---------------------------------------------------------------------------
+# The public surface: every torch 2.13 FSDP2 name and method, with its signature
+# ---------------------------------------------------------------------------
+
+
+def _torch_fsdp2_names() -> list[str]:
+    import torch.distributed.fsdp._fully_shard as torch_fsdp2
+
+    return list(torch_fsdp2.__all__)
+
+
+def _public_methods(cls: type) -> list[str]:
+    return sorted(n for n, v in vars(cls).items() if callable(v) and (not n.startswith("_") or n == "__init__"))
+
+
+def _shape(obj: Any) -> list[tuple[str, Any, str]]:
+    """A signature without annotations: (name, kind, default as text) per parameter."""
+    sig = inspect.signature(obj)
+    return [(p.name, p.kind, repr(p.default)) for p in sig.parameters.values()]
+
+
+def test_every_torch_fsdp2_name_exists_with_the_same_signature() -> None:
+    import torch.distributed.fsdp as torch_fsdp
+
+    names = _torch_fsdp2_names()
+    assert len(names) >= 9, names
+    for name in names:
+        assert hasattr(ours_pkg, name), f"fully_shard lacks torch's {name}"
+        theirs, mine = getattr(torch_fsdp, name), getattr(ours_pkg, name)
+        assert _shape(mine) == _shape(theirs), f"{name}: {inspect.signature(mine)} != torch's {inspect.signature(theirs)}"
+    # torch's shard_placement_fn result type, used for expert weights
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+    assert _shape(ours_pkg.ShardPlacementResult) == _shape(ShardPlacementResult)
+
+
+@pytest.mark.parametrize("cls_name", ["FSDPModule", "UnshardHandle"])
+def test_every_torch_method_exists_with_the_same_signature(cls_name: str) -> None:
+    import torch.distributed.fsdp as torch_fsdp
+
+    theirs_cls, mine_cls = getattr(torch_fsdp, cls_name), getattr(ours_pkg, cls_name)
+    methods = _public_methods(theirs_cls)
+    assert methods, cls_name
+    for name in methods:
+        if name == "__init__" and "__init__" not in vars(theirs_cls):
+            continue
+        mine = getattr(mine_cls, name, None)
+        assert mine is not None, f"{cls_name}.{name} is missing"
+        assert _shape(mine) == _shape(getattr(theirs_cls, name)), (
+            f"{cls_name}.{name}: {inspect.signature(mine)} != torch's {inspect.signature(getattr(theirs_cls, name))}"
+        )
+    assert _shape(mine_cls) == _shape(theirs_cls), f"{cls_name}'s constructor differs"
+
+
+def test_data_parallel_mesh_dims_and_unshard_handle() -> None:
+    dims = ours_pkg.DataParallelMeshDims(shard=("a", "b"), replicate="r")
+    assert dims.shard_names == ("a", "b") and dims.replicate_names == ("r",)
+    with pytest.raises(ValueError, match="shard, replicate or both"):
+        ours_pkg.DataParallelMeshDims()
+    assert ours_pkg.UnshardHandle().wait() is None  # torch: a handle with nothing to wait for
+
+
+# ---------------------------------------------------------------------------
+# Behaviour, against torch's FSDP2 on the same model
+# ---------------------------------------------------------------------------
+
+
+class CountingAllGather:
+    """torch's AllGather Comm interface, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CountingReduceScatter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _configure(model: Transformer, case: str) -> dict[str, Any]:
+    """Apply a torch communication control to a sharded model; what to check afterwards."""
+    seen: dict[str, Any] = {}
+    sharded = [m for m in model.modules() if hasattr(m, "set_force_sum_reduction_for_comms")]
+    if case == "force_sum":
+        for m in sharded:  # per module, as in torch
+            m.set_force_sum_reduction_for_comms(True)
+    elif case == "separate_rs_group":
+        model.set_separate_reduce_scatter_group()
+    elif case == "max_input_buffers":
+        model.set_reduce_scatter_max_input_buffers(3)
+    elif case == "divide_factor":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for m in sharded:
+                # torch's custom factor needs PREMUL_SUM otherwise, which gloo lacks
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_reduce_scatter_divide_factor(4.0)
+        seen["deprecated"] = any("set_gradient_divide_factor" in str(w.message) for w in caught)
+    elif case == "custom_comms":
+        seen["ag"], seen["rs"] = CountingAllGather(), CountingReduceScatter()
+        for block in model.layers:
+            block.set_custom_all_gather(seen["ag"])
+            block.set_custom_reduce_scatter(seen["rs"])
+    elif case == "all_reduce_hook":
+        seen["hook"] = []
+
+        def hook(t: torch.Tensor) -> None:  # halve the reduced gradient of every block
+            seen["hook"].append(t.numel())
+            t.mul_(0.5)
+
+        for block in model.layers:
+            block.set_all_reduce_hook(hook)
+    elif case == "unshard_in_backward":
+        model.tok_embeddings.set_unshard_in_backward(False)  # embedding backward never reads its weight
+    else:
+        raise AssertionError(case)
+    return seen
+
+
+def _train_side_by_side(case: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fully_shard import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    base = Transformer(ARGS)
+    models, opts, seen = [], [], []
+    for shard in (fully_shard, torch_fully_shard):
+        model = copy.deepcopy(base)
+        if case == "unshard_in_backward":
+            shard(model.tok_embeddings, mesh=mesh)
+        for block in model.layers:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+        seen.append(_configure(model, case))
+        models.append(model)
+        opts.append(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    rank = dist.get_rank()
+    for step in range(2):
+        tokens = batch(step, rank, ARGS)
+        losses = []
+        for model, opt in zip(models, opts):
+            loss = loss_fn(model(tokens), tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        # bitwise: see the module docstring
+        assert losses[0] == losses[1], f"step {step}: loss {losses[0]} != torch FSDP2's {losses[1]}"
+    for (name, mine), theirs in zip(models[0].named_parameters(), models[1].parameters()):
+        assert isinstance(mine, DTensor), name
+        torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor(), rtol=0, atol=0, msg=name)
+    mine_seen = seen[0]
+    return {
+        "deprecated": mine_seen.get("deprecated"),
+        "ag": mine_seen["ag"].calls if "ag" in mine_seen else None,
+        "rs": mine_seen["rs"].calls if "rs" in mine_seen else None,
+        "hook": mine_seen.get("hook"),
+        "torch_hook": seen[1].get("hook"),
+    }
+
+
+CASES = ["force_sum", "separate_rs_group", "max_input_buffers", "divide_factor", "custom_comms", "all_reduce_hook", "unshard_in_backward"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_comm_controls_match_torch_fsdp2(case: str) -> None:
+    results = run_distributed(_train_side_by_side, 2, case)
+    r = results[0]
+    if case == "divide_factor":
+        assert r["deprecated"], "set_reduce_scatter_divide_factor must warn, as torch's does"
+    if case == "custom_comms":
+        # 2 steps x 2 blocks: forward + backward all-gather each (blocks reshard after forward)
+        assert r["ag"] == 8 and r["rs"] == 4, r
+    if case == "all_reduce_hook":
+        assert len(r["hook"]) == 4 and r["hook"] == r["torch_hook"], r
+
+
+def _unsupported_calls() -> list[str]:
+    from fully_shard import fully_shard
+
+    model = fully_shard(nn.Linear(4, 4))
+    messages = []
+    for call in (
+        lambda: model.set_symm_mem_for_comm(),
+        lambda: model.set_allocate_memory_from_process_group_for_comm(True),
+        lambda: model.set_reduce_scatter_max_input_buffers(0),
+        lambda: model.set_custom_all_gather(object()),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except (NotImplementedError, ValueError) as e:
+            messages.append(str(e))
+    model.set_allocate_memory_from_process_group_for_comm(False)  # asks for nothing: fine
+    return messages
+
+
+def test_unsupported_backend_features_raise_at_the_call() -> None:
+    symm, alloc, buffers, comm = run_distributed(_unsupported_calls, 1)[0]
+    assert "symmetric-memory" in symm and "remove the call" in symm
+    assert "process group" in alloc and "remove the call" in alloc
+    assert "positive int" in buffers
+    assert "allocate" in comm
+
+
+# ---------------------------------------------------------------------------
+# Container modules with a forward, fully_shard.state, Hugging Face detection
+# ---------------------------------------------------------------------------
+
+
+class SequentialList(nn.ModuleList):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self:
+            x = m(x)
+        return x
+
+
+def _container_with_forward() -> list[Any]:
+    from fully_shard import FSDPModule, fully_shard
+
+    torch.manual_seed(0)
+    model = SequentialList([nn.Linear(8, 8), nn.Linear(8, 3)])
+    ref = copy.deepcopy(model)
+    fully_shard(model)
+    x = torch.randn(4, 8)
+    out = model(x)
+    out.sum().backward()
+    ref(x).sum().backward()
+    # bitwise: one rank's gradient reduced over 1 rank is itself
+    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
+    torch.testing.assert_close(model[0].weight.grad.full_tensor(), ref[0].weight.grad, rtol=0, atol=0)
+    try:
+        fully_shard(nn.ModuleList([nn.Linear(2, 2)]))
+        plain_list = "accepted"
+    except ValueError as e:
+        plain_list = str(e)
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+
+    return [
+        isinstance(model, FSDPModule),
+        fully_shard.state(model) is not None,
+        fully_shard.state(nn.Linear(2, 2)) is None,
+        plain_list,
+        is_fsdp_managed_module(model),
+    ]
+
+
+def test_containers_with_forward_state_accessor_and_hf_detection() -> None:
+    pytest.importorskip("transformers")
+    is_fsdp, has_state, none_state, plain_list, hf = run_distributed(_container_with_forward, 1)[0]
+    assert is_fsdp and has_state and none_state
+    assert "has no forward" in plain_list
+    assert hf, "transformers' is_fsdp_managed_module must recognise a fully_shard model"
+
+
+# ---------------------------------------------------------------------------
+# set_reduce_scatter_unused_params: ranks route through different experts
+# ---------------------------------------------------------------------------
+
+
+class MoE(nn.Module):
+    """Top-1 routing without a router: each rank sends its tokens to one expert of its own,
+    so on 2 ranks each expert gets a gradient on one rank only."""
+
+    def __init__(self, dim: int = 12, n_experts: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_experts))
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.out(self.experts[expert](self.inp(x)))
+
+
+def _moe(use_torch: bool) -> list[float]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fully_shard import fully_shard
+
+    shard = torch_fully_shard if use_torch else fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = MoE()
+    ref = copy.deepcopy(model)
+    shard(model, mesh=init_device_mesh("cpu", (world,)))
+    model.set_reduce_scatter_unused_params(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        # expert of rank r at step s: (r + s) % 3, so ranks differ and the choice moves
+        model(xs[rank], (rank + step) % 3).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        # oracle: the unsharded model, the gradient averaged over the ranks' batches
+        ref_loss = sum(ref(xs[r], (r + step) % 3).sum() for r in range(world)) / world
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        # sums of per-rank gradients run in another order than the reference's autograd sum
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-6, atol=1e-6, msg=name)
+    return [p.full_tensor().sum().item() for p in model.parameters()]
+
+
+def test_reduce_scatter_unused_params_with_per_rank_experts() -> None:
+    ours = run_distributed(_moe, 2, False)
+    theirs = run_distributed(_moe, 2, True)
+    assert ours[0] == theirs[0], "equal to torch FSDP2 on the same model (same arithmetic, bitwise)"
+
+
+# ---------------------------------------------------------------------------
+# dp_mesh_dims: parameters are DTensors on the full (dp, tp) mesh
+# ---------------------------------------------------------------------------
+
+
+class SpmdMLP(nn.Module):
+    """Column- then row-parallel MLP whose weights live on the whole ("dp", "tp") mesh."""
+
+    def __init__(self, mesh: Any, dim: int = 8, hidden: int = 12) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        w1, w2 = torch.randn(hidden, dim), torch.randn(dim, hidden)
+        tp = mesh.get_local_rank("tp")
+        self.w1 = nn.Parameter(DTensor.from_local(w1.chunk(2, 0)[tp].contiguous(), mesh, (Replicate(), Shard(0))))  # colwise
+        self.w2 = nn.Parameter(DTensor.from_local(w2.chunk(2, 1)[tp].contiguous(), mesh, (Replicate(), Shard(1))))  # rowwise
+
+    def forward(self, x: Any) -> Any:
+        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, self.w1)), self.w2)
+
+
+def _spmd(use_torch: bool) -> list[Any]:
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims, fully_shard as torch_fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from fully_shard import DataParallelMeshDims, fully_shard
+
+    shard, dims = (torch_fully_shard, TorchDims) if use_torch else (fully_shard, DataParallelMeshDims)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = SpmdMLP(mesh)
+    for p in model.parameters():
+        # torch's FSDP2 wants each parameter's mesh to be the very mesh object passed to it,
+        # but DTensor's caches may hand nn.Parameter(...) an equal mesh from an earlier test
+        p._spec = dataclasses.replace(p._spec, mesh=mesh)
+    shard(model, mesh=mesh, dp_mesh_dims=dims(shard="dp"))
+    placements = [tuple(p.placements) for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        x = distribute_tensor(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)), mesh, (Shard(0), Replicate()))
+        loss = model(x).pow(2).sum().full_tensor()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return [losses, [p.full_tensor() for p in model.parameters()], [str(p) for pl in placements for p in pl]]
+
+
+def test_dp_mesh_dims_matches_torch_fsdp2() -> None:
+    ours = run_distributed(_spmd, 4, False)
+    theirs = run_distributed(_spmd, 4, True)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        # the same placements on the full mesh: (Shard(0) on dp, TP's on tp)
+        assert a[2] == b[2], f"rank {rank}: placements {a[2]} != torch's {b[2]}"
+        # bitwise: 2 dp ranks reduce with AVG over the same layout (see module docstring)
+        assert a[0] == b[0], f"rank {rank}: losses {a[0]} != torch's {b[0]}"
+        for p, q in zip(a[1], b[1]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def _spmd_plain_param() -> str:
+    from fully_shard import DataParallelMeshDims, fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    try:
+        fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_dp_mesh_dims_refuses_plain_parameters() -> None:
+    msg = run_distributed(_spmd_plain_param, 4)[0]
+    assert "'weight'" in msg and "DTensor on the mesh" in msg, msg
