@@ -186,6 +186,11 @@ def fully_shard(
         _OWNERS[id(original)] = _OWNERS[id(sp.sharded_param)] = owner
         sp.register(unsharded=False)
     _install_optimizer_check()
+    if post_forward is not None and any(sp.extension for sp in sharded):
+        raise NotImplementedError(
+            f"fully_shard({label}): reshard_after_forward=<int> is not supported for tensor-subclass "
+            f"parameters that all-gather themselves ({next(sp.local_fqn for sp in sharded if sp.extension)!r}); pass True or False"
+        )
     group = ParamGroup(sharded, mesh_info, device, label, post_forward) if sharded else None
     state = FSDPState(modules, group, device, reshard_after_forward, mp_policy)
     for m in modules:

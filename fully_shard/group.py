@@ -54,7 +54,9 @@ class ParamGroup:
         self.label = label  # the module(s) of the fully_shard call, for messages and traces
         self.post_forward = post_forward  # reshard_after_forward=k: the k-rank group
         self.state = GroupState.SHARDED
-        self._gather_buckets = _buckets(params, lambda p: p.unsharded_dtype)
+        self._gather_buckets = _buckets([p for p in params if not p.extension], lambda p: p.unsharded_dtype)
+        self._ext = [p for p in params if p.extension]  # subclasses that all-gather themselves
+        self._ext_slots: list[int] = []  # their inputs' per-rank slots, in bytes
         self._all_gathers: list[comm.AllGatherWork] = []  # in flight while UNSHARDING
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
         # HSDP with the all-reduce off: reduce-scatter outputs awaiting the all-reduce
@@ -100,22 +102,7 @@ class ParamGroup:
 
     def _issue_all_gathers(self) -> list[comm.AllGatherWork]:
         if self.state is GroupState.SHARDED:
-            info = self.mesh_info
-            return [
-                comm.all_gather(
-                    [p.local_shard for p in bucket],
-                    [p.shard_numel for p in bucket],
-                    info.shard_group,
-                    info.shard_size,
-                    info.shard_rank,
-                    bucket[0].unsharded_dtype,
-                    self.device,
-                    async_op=True,
-                    what=f"all-gather of {self.label}'s parameters",
-                    custom=self.all_gather_comm,
-                )
-                for bucket in self._gather_buckets
-            ]
+            return self._plain_all_gathers() + self._ext_all_gathers()
         pf = self.post_forward
         assert pf is not None
         works = [
@@ -137,6 +124,41 @@ class ParamGroup:
             p.post_forward_slice = None  # packed into the all-gather input
         return works
 
+    def _plain_all_gathers(self) -> list[comm.AllGatherWork]:
+        info = self.mesh_info
+        return [
+            comm.all_gather(
+                [p.local_shard for p in bucket],
+                [p.shard_numel for p in bucket],
+                info.shard_group,
+                info.shard_size,
+                info.shard_rank,
+                bucket[0].unsharded_dtype,
+                self.device,
+                async_op=True,
+                what=f"all-gather of {self.label}'s parameters",
+                custom=self.all_gather_comm,
+            )
+            for bucket in self._gather_buckets
+        ]
+
+    def _ext_all_gathers(self) -> list[comm.AllGatherWork]:
+        """One all-gather, of bytes, for every input the subclasses' fsdp_pre_all_gather made."""
+        if not self._ext:
+            return []
+        inputs, self._ext_slots = [], []
+        for p in self._ext:
+            flats, slots = p.ext_all_gather_inputs()
+            inputs += flats
+            self._ext_slots += slots
+        info = self.mesh_info
+        return [
+            comm.all_gather(
+                inputs, self._ext_slots, info.shard_group, info.shard_size, info.shard_rank, torch.uint8, self.device,
+                async_op=True, what=f"all-gather of {self.label}'s tensor-subclass parameters", custom=self.all_gather_comm,
+            )
+        ]
+
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and point the modules at full parameters."""
         if self.state is not GroupState.UNSHARDING:
@@ -149,6 +171,13 @@ class ParamGroup:
             dests = [p.gather_dest(world) for p in bucket]
             comm.copy_out(output, world, [p.unsharded_numel // world for p in bucket], dests)
             for p in bucket:
+                p.note_unsharded_version()
+        if self._ext:
+            work = self._all_gathers[-1]
+            output = work.wait()
+            comm.copy_out(output, work.world_size, self._ext_slots, [d for p in self._ext for d in p.ext_gather_dests()])
+            for p in self._ext:
+                p.ext_post_all_gather()
                 p.note_unsharded_version()
         self._hold_all_gathers()
         for p in self.params:
@@ -208,7 +237,7 @@ class ParamGroup:
         """Follow dtype changes made by ``Module._apply`` (``model.double()``)."""
         for p in self.params:
             p.refresh_after_apply()
-        self._gather_buckets = _buckets(self.params, lambda p: p.unsharded_dtype)
+        self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
 
     @property
     def is_unsharded(self) -> bool:

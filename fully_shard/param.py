@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -72,6 +74,13 @@ class ShardedParam:
         self.size = data.shape  # of the (TP-local) tensor that is gathered
         if shard_dim < 0:
             shard_dim += data.dim()
+        # a tensor subclass that all-gathers itself (torch's fsdp_pre/post_all_gather contract)
+        self.extension = _uses_extension(data, fqn, shard_dim, self.tp_spec)
+        self._ext_meta: Any = None  # fsdp_pre_all_gather's metadata, until post-all-gather
+        self._ext_sizes: list[torch.Size] = []  # all-gather inputs' shapes, dim 0 padded
+        self._ext_dtypes: list[torch.dtype] = []
+        self._ext_outputs: list[torch.Tensor] | None = None  # 1-D, N slots each; freed when sharded
+        self._ext_inner: list[torch.Tensor] = []  # the subclass's tensors that hold the gathered data
         world, rank = mesh_info.shard_size, mesh_info.shard_rank
         self.shard_dim = shard_dim
         if shard_dim > 0 and self.size[shard_dim] % world:
@@ -97,9 +106,18 @@ class ShardedParam:
 
         target = torch.device("meta") if param.is_meta else self.shard_device
         pin = pin_memory and offload and target.type == "cpu" and torch.accelerator.is_available()
-        local = torch.empty(src.shape, dtype=self.dtype, device=target, pin_memory=pin)  # this rank's part
-        if not param.is_meta:
-            local.copy_(src)
+        if self.extension:  # keep the subclass: its own ops make the shard
+            local = src.to(target).clone()
+            if type(local) is not type(data):
+                raise NotImplementedError(
+                    f"fully_shard: parameter {fqn!r} is a {type(data).__name__}, but slicing and "
+                    f"cloning it gives a {type(local).__name__}: the subclass must keep its type "
+                    "under aten.slice and aten.clone to be sharded. Keep it out with ignored_params."
+                )
+        else:
+            local = torch.empty(src.shape, dtype=self.dtype, device=target, pin_memory=pin)  # this rank's part
+            if not param.is_meta:
+                local.copy_(src)
         self._spec = self._sharded_spec(param)
         self.sharded_param = nn.Parameter(
             DTensor(local, self._spec, requires_grad=param.requires_grad),
@@ -280,6 +298,59 @@ class ShardedParam:
         references see the data again after the next all-gather."""
         if self._padded_unsharded is not None:
             self._padded_unsharded.untyped_storage().resize_(0)
+        for t in (self._ext_outputs or []) + self._ext_inner:
+            t.untyped_storage().resize_(0)
+
+    # -- tensor subclasses that all-gather themselves ------------------------------------
+
+    def ext_all_gather_inputs(self) -> tuple[list[torch.Tensor], list[int]]:
+        """Call the subclass's ``fsdp_pre_all_gather``: its inputs (1-D, as bytes) and each
+        one's per-rank slot in bytes (dim 0 padded like the parameter's rows)."""
+        local = self.local_shard
+        if local.device != self.device:
+            local = local.to(self.device)
+        pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        info = self.mesh_info
+        mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[info.shard_mesh_dim]]  # type: ignore[index]
+        if len(inspect.signature(pre).parameters) == 1:
+            inputs, self._ext_meta = pre(mesh)
+        else:
+            inputs, self._ext_meta = pre(mesh, self.size, _contiguous_stride(self.size), self.uses[0][0], self.mp_policy)
+        self._ext_sizes = [
+            torch.Size((self.chunk_rows, *t.shape[1:])) if t.dim() and t.shape[0] == self.local_rows else t.shape
+            for t in inputs
+        ]
+        self._ext_dtypes = [t.dtype for t in inputs]
+        slots = [math.prod(size) * t.element_size() for size, t in zip(self._ext_sizes, inputs)]
+        return [t.reshape(-1).view(torch.uint8) for t in inputs], slots
+
+    def ext_gather_dests(self) -> list[torch.Tensor]:
+        """The persistent all-gather outputs (storage given back after a reshard), as bytes:
+        the subclass's unsharded tensors may alias them from the first all-gather on."""
+        world = self.mesh_info.shard_size
+        if self._ext_outputs is None:
+            self._ext_outputs = [
+                torch.empty(world * math.prod(s), dtype=d, device=self.device) for s, d in zip(self._ext_sizes, self._ext_dtypes)
+            ]
+        for t in self._ext_outputs + self._ext_inner:
+            _alloc_storage(t)
+        return [t.view(torch.uint8) for t in self._ext_outputs]
+
+    def ext_post_all_gather(self) -> None:
+        """Call the subclass's ``fsdp_post_all_gather``: it builds the unsharded parameter the
+        first time, and refills it in place (``out=``) afterwards."""
+        assert self._ext_outputs is not None
+        outputs = tuple(t.view(-1, *s[1:]) for t, s in zip(self._ext_outputs, self._ext_sizes))
+        post = self.local_shard.fsdp_post_all_gather  # type: ignore[attr-defined]
+        if self.unsharded_param is None:
+            full, inner = post(outputs, self._ext_meta, self.unsharded_dtype)
+            self._ext_inner = list(inner)
+            if full.shape[0] != self.size[0]:  # padded rows of an uneven shard
+                full = full[: self.size[0]]
+            self.unsharded_param = nn.Parameter(full, requires_grad=self.sharded_param.requires_grad)
+        else:
+            post(outputs, self._ext_meta, self.unsharded_dtype, out=self.unsharded_param)
+        self._ext_meta = None
 
     # -- which tensor the modules see --------------------------------------------
 
@@ -344,3 +415,31 @@ def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
                 f"{param.placements[i]} on the data-parallel mesh dim "
                 f"{info.spmd_mesh.mesh_dim_names[i]!r}; it must be Replicate() there"  # type: ignore[union-attr, index]
             )
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    nbytes = (t.storage_offset() + t.numel()) * t.element_size()
+    if storage.size() < nbytes:
+        storage.resize_(nbytes)
+
+
+def _uses_extension(data: torch.Tensor, fqn: str, shard_dim: int, tp_spec: DTensorSpec | None) -> bool:
+    """Whether ``data`` is a tensor subclass that all-gathers itself; raise for a subclass
+    that fully_shard would otherwise turn into a plain tensor."""
+    if getattr(type(data), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
+        return False  # plain data (nn.Parameter and its subclasses)
+    has = [hasattr(data, "fsdp_pre_all_gather"), hasattr(data, "fsdp_post_all_gather")]
+    if not all(has):
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} is a {type(data).__name__}, a tensor subclass "
+            f"{'with only one of' if any(has) else 'without'} fsdp_pre_all_gather / "
+            "fsdp_post_all_gather: sharding it would turn it into a plain tensor. Define both "
+            "(torch's FSDP2 all-gather extension contract), or keep it out with ignored_params."
+        )
+    if shard_dim != 0 or tp_spec is not None:
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} ({type(data).__name__}) all-gathers itself, which is "
+            "supported on Shard(0) without tensor parallelism only"
+        )
+    return True

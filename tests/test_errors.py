@@ -315,7 +315,7 @@ def test_offload_policy_wrong_type() -> None:
 
 
 def test_shard_placement_fn_must_return_shard() -> None:
-    _expect_error(_case_shard_placement_fn, ValueError, "shard_placement_fn must return Shard(dim) or None", "weight")
+    _expect_error(_case_shard_placement_fn, ValueError, "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None", "weight")
 
 
 def test_int_reshard_after_forward_not_a_divisor() -> None:

@@ -1,0 +1,176 @@
+"""Parameters that are tensor subclasses taking over their own all-gather through torch's
+FSDP2 extension contract (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``).
+
+``HalfGather`` is our own subclass: it sends its shard in ``mp_policy.param_dtype`` (bf16
+here), counts its hook calls, and on later all-gathers relies on ``out=`` (the unsharded
+parameter aliases the gathered buffer, which must be refilled in place). Each test trains
+the same model with ``fully_shard`` and with torch's FSDP2 (the oracle) on 2 gloo ranks:
+bitwise, because both run the same casts and an AVG of two numbers in the same layout.
+torchao's float8 and int8 recipes are in the second half (skipped without torchao).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from tests.harness import run_distributed
+
+aten = torch.ops.aten
+# ops whose results stay HalfGather (what sharding needs: torch's FSDP2 uses split/new_zeros)
+_WRAP = {
+    aten.slice.Tensor, aten.split.Tensor, aten.narrow.default, aten.clone.default, aten.detach.default,
+    aten.alias.default, aten.view.default, aten.as_strided.default, aten._to_copy.default,
+    aten.new_zeros.default, aten.empty_like.default,
+}
+
+
+class HalfGather(torch.Tensor):
+    """An fp32 weight that all-gathers itself in ``mp_policy.param_dtype``."""
+
+    calls: dict[str, int] = {"pre": 0, "post": 0, "post_out": 0}
+    gathered_dtypes: list[torch.dtype] = []
+
+    @staticmethod
+    def __new__(cls, t: torch.Tensor) -> HalfGather:
+        return torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype, device=t.device, strides=t.stride(), requires_grad=t.requires_grad)  # type: ignore[return-value]
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t = t
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_t"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: Any, size: Any, stride: Any) -> HalfGather:
+        return HalfGather(inner["_t"])
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"HalfGather({self._t!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unwrapped = pytree.tree_map_only(HalfGather, lambda x: x._t, (args, kwargs or {}))
+        out = func(*unwrapped[0], **unwrapped[1])
+        if args and isinstance(args[0], HalfGather) and out is args[0]._t:
+            return args[0]  # in place (copy_, add_ of the optimizer)
+        if func in _WRAP:
+            return pytree.tree_map_only(torch.Tensor, cls, out)
+        return out
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any) -> Any:
+        HalfGather.calls["pre"] += 1
+        dtype = mp_policy.param_dtype or self.dtype
+        HalfGather.gathered_dtypes.append(dtype)
+        return (self._t.to(dtype),), ("meta", dtype)
+
+    def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> Any:
+        assert metadata[0] == "meta" and param_dtype == metadata[1], (metadata, param_dtype)
+        (data,) = outputs
+        HalfGather.calls["post"] += 1
+        if out is not None:
+            HalfGather.calls["post_out"] += 1
+            return None  # ``out`` already aliases ``data``, refilled in place
+        return data, (data,)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for lin in (model[0], model[2]):
+        lin.weight = nn.Parameter(HalfGather(lin.weight.detach().clone()))
+    return model
+
+
+def _train(use_torch: bool, bf16: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP, fully_shard as torch_fully_shard
+
+    from fully_shard import MixedPrecisionPolicy, fully_shard
+
+    shard, mp_cls = (torch_fully_shard, TorchMP) if use_torch else (fully_shard, MixedPrecisionPolicy)
+    mp = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else mp_cls()
+    HalfGather.calls.update(pre=0, post=0, post_out=0)
+    HalfGather.gathered_dtypes.clear()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model()
+    for lin in (model[0], model[2]):
+        shard(lin, mesh=mesh, mp_policy=mp)
+    shard(model, mesh=mesh, mp_policy=mp)
+    local_types = [type(p._local_tensor).__name__ for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "params": [p.full_tensor() if not isinstance(p._local_tensor, HalfGather) else _full(p) for p in model.parameters()],
+        "local_types": local_types,
+        "calls": dict(HalfGather.calls),
+        "dtypes": sorted({str(d) for d in HalfGather.gathered_dtypes}),
+    }
+
+
+def _full(p: DTensor) -> torch.Tensor:
+    """The full fp32 value of a HalfGather DTensor parameter (gathered plainly)."""
+    local = p._local_tensor._t.contiguous()
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_own_subclass_matches_torch_fsdp2(bf16: bool) -> None:
+    ours = run_distributed(_train, 2, False, bf16)
+    theirs = run_distributed(_train, 2, True, bf16)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        # the sharded weights stay HalfGather (never silently plain)
+        assert a["local_types"] == b["local_types"] == ["HalfGather", "Tensor", "HalfGather", "Tensor"], a["local_types"]
+        # 2 weights x 3 steps x (forward + backward) all-gathers; the first of each builds the
+        # unsharded parameter, every later one refills it through out=
+        assert a["calls"] == b["calls"] == {"pre": 12, "post": 12, "post_out": 10}, (a["calls"], b["calls"])
+        assert a["dtypes"] == [("torch.bfloat16" if bf16 else "torch.float32")], a["dtypes"]
+        assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"  # bitwise: see docstring
+        for p, q in zip(a["params"], b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def _no_hooks() -> str:
+    from fully_shard import fully_shard
+
+    lin = nn.Linear(4, 4)
+    lin.weight = nn.Parameter(torch.Tensor._make_subclass(torch.Tensor, torch.zeros(4, 4)))  # plain: fine
+    fully_shard(lin)
+    lin = nn.Linear(4, 4)
+    lin.weight = nn.Parameter(_Opaque(torch.zeros(4, 4)))
+    try:
+        fully_shard(lin)
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+class _Opaque(HalfGather):
+    """A wrapper subclass without the extension hooks: cannot be sharded as such."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_subclass_without_hooks_is_refused() -> None:
+    msg = run_distributed(_no_hooks, 1)[0]
+    assert "'weight'" in msg and "_Opaque" in msg and "plain tensor" in msg, msg
