@@ -174,3 +174,110 @@ class _Opaque(HalfGather):
 def test_subclass_without_hooks_is_refused() -> None:
     msg = run_distributed(_no_hooks, 1)[0]
     assert "'weight'" in msg and "_Opaque" in msg and "plain tensor" in msg, msg
+
+
+# ---------------------------------------------------------------------------
+# torchao: float8 training with float8 all-gathers, int8 weight-only quantized training
+# ---------------------------------------------------------------------------
+
+
+def _float8(sharded: bool) -> dict[str, Any]:
+    """float8 training with torchao, sharded by fully_shard or (the oracle) unsharded with
+    gradients averaged over the ranks. torch's own FSDP2 cannot be the oracle here: it
+    all-gathers float8 tensors as such, and gloo has no float8 ("Invalid scalar type")."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from fully_shard import fully_shard
+    from fully_shard.comm import add_observer, remove_observer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if sharded:
+        mesh = init_device_mesh("cpu", (world,))
+        for lin in (model[0], model[2]):
+            fully_shard(lin, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    local_types = [type(p._local_tensor if sharded else p).__name__ for p in model.parameters()]
+    events: list[Any] = []
+    add_observer(events.append)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    try:
+        for step in range(3):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            if not sharded:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        remove_observer(events.append)
+    gathered = sorted({e.nbytes for e in events if e.kind == "all_gather"})
+    if sharded:
+        params = [p.to_local()._tensor.contiguous() for p in model.parameters()]  # this rank's rows
+    else:
+        params = [p._tensor.chunk(world)[rank].contiguous() for p in model.parameters()]
+    return {"losses": losses, "params": params, "local_types": local_types, "ag_bytes": gathered}
+
+
+def test_torchao_float8_all_gathers_float8_and_matches_unsharded() -> None:
+    pytest.importorskip("torchao")
+    ours = run_distributed(_float8, 2, True)
+    ref = run_distributed(_float8, 2, False)
+    for rank, (a, b) in enumerate(zip(ours, ref)):
+        assert a["local_types"] == b["local_types"] == ["WeightWithDynamicFloat8CastTensor"] * 2, a["local_types"]
+        # each weight's shard is 32x32 elements on each rank: 1 byte each on the wire (fp32: 4096)
+        assert a["ag_bytes"] == [32 * 32], a["ag_bytes"]
+        # the same float8 casts (the scale from the all-reduced amax = the full weight's amax);
+        # gradients: an AVG of two numbers either way
+        assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != unsharded {b['losses']}"
+        for p, q in zip(a["params"], b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def _int8(use_torch: bool) -> dict[str, Any]:
+    """int8 weight-only quantized training (torchao): the int8 data and fp32 scales of each
+    weight travel in one all-gather; torch's FSDP2 is the oracle."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torchao import quantize_
+    from torchao.prototype.quantized_training import int8_weight_only_quantized_training
+
+    from fully_shard import fully_shard
+
+    shard = torch_fully_shard if use_torch else fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
+    quantize_(model, int8_weight_only_quantized_training())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for lin in (model[0], model[2]):
+        shard(lin, mesh=mesh)
+    shard(model, mesh=mesh)
+    local_types = [type(p._local_tensor).__name__ for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # the int8 weight has no mul_
+    losses = []
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    local = [p.to_local() for p in model.parameters()]
+    return {"losses": losses, "int": [t.int_data.clone() for t in local], "scale": [t.scale.clone() for t in local], "local_types": local_types}
+
+
+def test_torchao_int8_quantized_training_matches_torch_fsdp2() -> None:
+    pytest.importorskip("torchao")
+    ours = run_distributed(_int8, 2, False)
+    theirs = run_distributed(_int8, 2, True)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["local_types"] == b["local_types"] == ["Int8QuantizedTrainingLinearWeight"] * 2, a["local_types"]
+        # bitwise: the same int8 data and scales gathered, the same AVG of two gradients
+        assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
+        for p, q in zip(a["int"] + a["scale"], b["int"] + b["scale"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
