@@ -579,14 +579,30 @@ class FSDPModule:
         """Reduce-scatter zeros for parameters that got no gradient this backward, so ranks
         that use different parameters of a group (mixture-of-experts routing, multi-modal
         branches) still issue the same collective (DDP's ``find_unused_parameters``). The
-        group's module must run forward on every rank."""
+        group's module must run forward on every rank.
+
+        Example::
+
+            >>> fully_shard(moe_layer)  # router and all experts in one group
+            >>> moe_layer.set_reduce_scatter_unused_params(True)
+        """
         for group in self._groups(recurse):
             group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Use ``comm`` for this module's all-gathers: torch's ``AllGather`` interface, i.e.
         ``comm.allocate(size, *, dtype, device)`` for the output buffer and
-        ``comm(output_tensor, input_tensor, group, async_op=False)`` returning a Work or None."""
+        ``comm(output_tensor, input_tensor, group, async_op=False)`` returning a Work or None.
+
+        Example::
+
+            >>> class MyAllGather:
+            ...     def allocate(self, size, *, dtype, device):
+            ...         return torch.empty(*size, dtype=dtype, device=device)
+            ...     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            ...         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            >>> block.set_custom_all_gather(MyAllGather())
+        """
         _check_comm(comm, "set_custom_all_gather")
         for group in self._groups(recurse=False):
             group.all_gather_comm = comm
