@@ -289,6 +289,10 @@ class FSDPState:
         with record_function("fully_shard::pre_backward"):
             self._queue_final_callback()
             self.training_state = TrainingState.PRE_BACKWARD
+            if self.group is not None:
+                # a backward reached this group: it owes a post-backward, even when several
+                # forwards ran before their backwards (pipelining: F0 F1 B0 B1)
+                self.group.needs_post_backward = True
             if self.group is not None and self.group.unshard_in_backward:
                 self.group.unshard()
                 self._prefetch(self._backward_prefetch_targets())
