@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.harness import run_distributed
+from tests.oracle import ShardwiseOptimizer
 
 aten = torch.ops.aten
 # ops whose results stay HalfGather (what sharding needs: torch's FSDP2 uses split/new_zeros)
@@ -202,7 +203,9 @@ def _float8(sharded: bool) -> dict[str, Any]:
     local_types = [type(p._local_tensor if sharded else p).__name__ for p in model.parameters()]
     events: list[Any] = []
     add_observer(events.append)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    # the reference steps the same dim-0 chunks as the shards (tests/oracle.py)
+    opt = make_opt(model.parameters()) if sharded else ShardwiseOptimizer(model.parameters(), world, make_opt)
     losses = []
     try:
         for step in range(3):
@@ -233,8 +236,8 @@ def test_torchao_float8_all_gathers_float8_and_matches_unsharded() -> None:
         assert a["local_types"] == b["local_types"] == ["WeightWithDynamicFloat8CastTensor"] * 2, a["local_types"]
         # each weight's shard is 32x32 elements on each rank: 1 byte each on the wire (fp32: 4096)
         assert a["ag_bytes"] == [32 * 32], a["ag_bytes"]
-        # the same float8 casts (the scale from the all-reduced amax = the full weight's amax);
-        # gradients: an AVG of two numbers either way
+        # bitwise: the same float8 casts (the scale from the all-reduced amax = the full
+        # weight's amax); an AVG of two gradients either way; AdamW on the same chunks
         assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != unsharded {b['losses']}"
         for p, q in zip(a["params"], b["params"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
