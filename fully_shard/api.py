@@ -279,7 +279,7 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
 
 
 def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, mesh: DeviceMesh) -> int:
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    placement: Any = shard_placement_fn(param) if shard_placement_fn is not None else None
     if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # a ShardPlacementResult
         other = getattr(placement.mesh_info, "mesh", None)
         if other is not mesh and other != mesh:
@@ -433,7 +433,10 @@ class FSDPModule:
         >>> model(x2).sum().backward()  # reduce-scatters the accumulated gradients
     """
 
-    _is_fsdp_managed_module = True  # how Hugging Face transformers recognises an FSDP2 model
+    # as torch's FSDP2 marks its modules: Hugging Face transformers' is_fsdp_managed_module()
+    # reads the first, and torch.compile (dynamo) reads both
+    _is_fsdp_managed_module = True
+    _fsdp_use_orig_params = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # nn.Sequential / nn.ModuleList slicing builds ``self.__class__(...)``: hand back

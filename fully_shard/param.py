@@ -163,11 +163,11 @@ class ShardedParam:
             assert self.tp_spec is not None and info.spmd_shard_dim is not None
             placements = list(self.tp_spec.placements)
             # the dims after the dp dim that shard the same tensor dim already split it first
-            split = math.prod(
-                info.spmd_mesh.size(j)
-                for j in range(info.spmd_shard_dim + 1, info.spmd_mesh.ndim)
-                if isinstance(placements[j], Shard) and placements[j].dim == self.shard_dim  # type: ignore[attr-defined]
-            )
+            split = 1
+            for j in range(info.spmd_shard_dim + 1, info.spmd_mesh.ndim):
+                p = placements[j]
+                if isinstance(p, Shard) and p.dim == self.shard_dim:
+                    split *= info.spmd_mesh.size(j)
             placements[info.spmd_shard_dim] = _StridedShard(self.shard_dim, split_factor=split) if split > 1 else placement
             return DTensorSpec(info.spmd_mesh, tuple(placements), self.tp_spec.tensor_meta)
         if self.tp_spec is None:
@@ -410,10 +410,11 @@ def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
         )
     for i in (info.spmd_shard_dim, info.spmd_replicate_dim):
         if i is not None and not isinstance(param.placements[i], Replicate):
+            names = param.device_mesh.mesh_dim_names or ()
             raise ValueError(
                 f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has placement "
-                f"{param.placements[i]} on the data-parallel mesh dim "
-                f"{info.spmd_mesh.mesh_dim_names[i]!r}; it must be Replicate() there"  # type: ignore[union-attr, index]
+                f"{param.placements[i]} on the data-parallel mesh dim {names[i]!r}; it must be "
+                "Replicate() there"
             )
 
 
@@ -421,7 +422,7 @@ def _alloc_storage(t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     nbytes = (t.storage_offset() + t.numel()) * t.element_size()
     if storage.size() < nbytes:
-        storage.resize_(nbytes)
+        storage.resize_(int(nbytes))
 
 
 def _uses_extension(data: torch.Tensor, fqn: str, shard_dim: int, tp_spec: DTensorSpec | None) -> bool:
