@@ -264,7 +264,7 @@ class ParamGroup:
                 if grad is not None:
                     p.accumulated_grad.add_(grad)
                 grad = p.accumulated_grad
-            if grad is None and self.reduce_scatter_unused_params and p.sharded_param.requires_grad:
+            if grad is None and self.reduce_scatter_unused_params and self.requires_gradient_sync and p.sharded_param.requires_grad:
                 # unused here, maybe used on another rank: every rank reduces the same tensors
                 grad = torch.zeros(p.size, dtype=p.reduce_dtype, device=self.device)
             if grad is None:
