@@ -284,3 +284,35 @@ def test_torchao_int8_quantized_training_matches_torch_fsdp2() -> None:
         assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
         for p, q in zip(a["int"] + a["scale"], b["int"] + b["scale"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def _uneven() -> None:
+    """A 5-row HalfGather weight on 2 ranks (3 + 2 rows): the short rank's input is padded
+    into its slot and the padding rows cut off the unsharded parameter. Oracle: the plain
+    unsharded model, AdamW on the same chunks (tests/oracle.py)."""
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3))
+    ref = copy.deepcopy(model)
+    model[0].weight = nn.Parameter(HalfGather(model[0].weight.detach().clone()))
+    fully_shard(model)
+    assert type(model[0].weight._local_tensor) is HalfGather
+    rank, world = dist.get_rank(), dist.get_world_size()
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    opt, ref_opt = make_opt(model.parameters()), ShardwiseOptimizer(ref.parameters(), world, make_opt)
+    for step in range(3):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        model(xs[rank]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sum(ref(x).pow(2).mean() for x in xs).div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    local = model[0].weight._local_tensor._t
+    # bitwise: fp32 gathered exactly, a two-rank AVG, AdamW on the same chunks
+    torch.testing.assert_close(local, ref[0].weight.detach().chunk(world)[rank], rtol=0, atol=0)
+
+
+def test_own_subclass_unevenly_sharded_matches_unsharded() -> None:
+    run_distributed(_uneven, 2)
