@@ -60,7 +60,7 @@ def materialize(
         >>> for block in model.layers:
         ...     fully_shard(block)
         >>> fully_shard(model)
-        >>> materialize(model, device="cuda", seed=0)
+        >>> materialize(model, device=torch.accelerator.current_accelerator(), seed=0)
     """
     sharded = _sharded_params(model)
     if device is None:

@@ -71,6 +71,14 @@ def has_streams(device: torch.device) -> bool:
     return device.type not in ("cpu", "meta")
 
 
+def accelerator_type() -> str:
+    """This machine's accelerator type (``torch.accelerator``), else ``"cuda"``: the device
+    type that stands for "a device with streams" where one must be named without a device at
+    hand (the memory planner's default). The only place fully_shard spells a device name."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cuda"
+
+
 class Held:
     """Buffers kept alive until ``stream`` has waited for ``event`` (their last use)."""
 

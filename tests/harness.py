@@ -27,6 +27,14 @@ Design:
   is re-created, DeviceMesh context stack is cleared).
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
+* The device switch: ``FULLY_SHARD_TEST_DEVICE=cuda`` (any accelerator type torch knows)
+  runs every worker on ``cuda:(rank % device_count)`` with that device as torch's default
+  device, so a test's models and inputs are made there without edits. The backend is NCCL
+  (``cpu:gloo,cuda:nccl``) where every rank has its own GPU; NCCL cannot run two ranks on
+  one GPU, so with fewer GPUs than ranks it is gloo (with CUDA tensors). Tests ask
+  :func:`device_type` / :func:`mesh` instead of writing ``"cpu"``, and mark what cannot
+  run there with :func:`skip_on_accelerator`. Unset (the default), everything is CPU/gloo
+  exactly as before.
 * If any rank raises, dies, or the deadline passes, the call fails with a
   :class:`DistributedTestFailure` (an ``AssertionError``) naming every failed
   or hung rank with its full traceback, and the pool is discarded: the next
@@ -52,9 +60,15 @@ from datetime import timedelta
 from typing import Any, Callable
 
 __all__ = [
+    "DEVICE_ENV",
     "DistributedTestFailure",
+    "backend_for",
+    "device",
+    "device_type",
+    "mesh",
     "run_distributed",
     "shutdown_pools",
+    "skip_on_accelerator",
 ]
 
 # Seconds given to the other ranks to report after the first rank failed.
@@ -65,6 +79,70 @@ _STARTUP_TIMEOUT_S = 120.0
 _PG_TIMEOUT = timedelta(seconds=60)
 # Attempts to start a pool (a start-up that failed on a busy port is retried).
 _STARTUP_ATTEMPTS = 3
+
+
+# --------------------------------------------------------------------------
+# The device switch
+# --------------------------------------------------------------------------
+
+# Environment variable naming the device type the suite runs on (default: cpu).
+DEVICE_ENV = "FULLY_SHARD_TEST_DEVICE"
+
+
+def device_type() -> str:
+    """The device type tests run on: ``"cpu"`` unless ``FULLY_SHARD_TEST_DEVICE`` names an
+    accelerator (``cuda``, ...). Use it where a test would write ``"cpu"``::
+
+        mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    """
+    return os.environ.get(DEVICE_ENV, "").strip().lower() or "cpu"
+
+
+def on_accelerator() -> bool:
+    """Whether the suite runs under the accelerator switch."""
+    return device_type() != "cpu"
+
+
+def device() -> Any:
+    """Inside a worker: this rank's ``torch.device`` (``cpu``, or ``cuda:<rank % count>``)."""
+    import torch
+
+    if not on_accelerator():
+        return torch.device("cpu")
+    return torch.device(device_type(), torch.accelerator.current_device_index())
+
+
+def mesh(shape: tuple[int, ...] | int, names: tuple[str, ...] | None = None) -> Any:
+    """Inside a worker: ``init_device_mesh`` on the suite's device type."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return init_device_mesh(device_type(), shape, mesh_dim_names=names)
+
+
+def backend_for(dev_type: str, world_size: int, device_count: int) -> str:
+    """The process-group backend for ``world_size`` ranks on ``device_count`` devices.
+
+    CPU: gloo. An accelerator: its own backend (NCCL for CUDA) for its tensors, gloo for CPU
+    tensors, when every rank has a device of its own; NCCL refuses two ranks on one GPU, so
+    with fewer devices than ranks it is gloo for both (gloo takes CUDA tensors).
+    """
+    if dev_type == "cpu":
+        return "gloo"
+    if device_count < 1:
+        raise RuntimeError(f"{DEVICE_ENV}={dev_type}: no {dev_type} device is visible to this process")
+    if world_size > device_count:
+        return "gloo"
+    import torch.distributed as dist
+
+    return f"cpu:gloo,{dev_type}:{dist.get_default_backend_for_device(dev_type)}"
+
+
+def skip_on_accelerator(reason: str) -> Any:
+    """A pytest mark: skip this test under the accelerator switch, saying why."""
+    import pytest
+
+    return pytest.mark.skipif(on_accelerator(), reason=f"{DEVICE_ENV}={device_type()}: {reason}")
 
 
 class DistributedTestFailure(AssertionError):
@@ -102,10 +180,12 @@ _MSG_ERR = "err"
 
 
 def _init_default_group(store: Any, generation: int, rank: int, world_size: int) -> None:
+    import torch
     import torch.distributed as dist
 
+    count = torch.accelerator.device_count() if on_accelerator() else 0
     dist.init_process_group(
-        "gloo",
+        backend_for(device_type(), world_size, count),
         store=dist.PrefixStore(f"harness_pg{generation}/", store),
         rank=rank,
         world_size=world_size,
@@ -157,11 +237,52 @@ def die_with_parent() -> None:
             pass
 
 
+def _use_accelerator(rank: int) -> None:
+    """Under the switch: this rank's device (rank % device_count) becomes current and torch's
+    default device, so the models and inputs a test makes land there."""
+    import torch
+
+    dev_type = device_type()
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != dev_type:
+        found = accelerator.type if accelerator is not None else "none"
+        raise RuntimeError(
+            f"{DEVICE_ENV}={dev_type} but this machine's accelerator is {found}; unset "
+            f"{DEVICE_ENV} to run the suite on the CPU"
+        )
+    index = rank % torch.accelerator.device_count()
+    torch.accelerator.set_device_index(index)
+    torch.set_default_device(torch.device(dev_type, index))
+
+
+class _ToCpuPickler(pickle.Pickler):
+    """Results cross to the parent as CPU tensors: the parent never touches the accelerator."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
+def _dumps_result(result: Any) -> bytes:
+    if not on_accelerator():
+        return pickle.dumps(result)
+    import io
+
+    buf = io.BytesIO()
+    _ToCpuPickler(buf, pickle.HIGHEST_PROTOCOL).dump(result)
+    return buf.getvalue()
+
+
 def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection) -> None:
     die_with_parent()
     os.environ["FULLY_SHARD_TEST_WORKER"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+    if on_accelerator():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     # Ctrl-C goes to the whole process group; let the parent decide what to do.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -176,6 +297,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
             torch.set_num_interop_threads(1)
         except RuntimeError:  # pragma: no cover - already set
             pass
+        if on_accelerator():
+            _use_accelerator(rank)
         torch.use_deterministic_algorithms(True, warn_only=True)
         # the parent hosts the store (as torchrun does): no rank has to outlive the others
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_PG_TIMEOUT)
@@ -198,7 +321,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
             torch.manual_seed(0)
             fn, args, kwargs = pickle.loads(msg[1])
             result = fn(*args, **kwargs)
-            payload = pickle.dumps(result)
+            payload = _dumps_result(result)
         except BaseException:
             reply: tuple[str, Any] = (_MSG_ERR, traceback.format_exc())
         else:
@@ -242,8 +365,8 @@ class _Pool:
             if "eaddrinuse" not in lowered and "address already in use" not in lowered:
                 break  # only a port race is worth retrying
         raise RuntimeError(
-            f"tests.harness: could not start a pool of {self.world_size} gloo worker(s) "
-            f"(spawn start method, gloo backend); last error:\n{last_error}"
+            f"tests.harness: could not start a pool of {self.world_size} worker(s) "
+            f"(spawn start method, device {device_type()}); last error:\n{last_error}"
         )
 
     def _try_start(self) -> str | None:
@@ -398,7 +521,8 @@ def run_distributed(
 
     ``fn`` must be a module-level function (it is pickled by reference) and
     its arguments and return value must be picklable.  Inside ``fn`` the
-    default process group is initialised (gloo, CPU), ``torch.manual_seed(0)``
+    default process group is initialised (gloo, CPU; see :func:`backend_for` under the
+    accelerator switch), ``torch.manual_seed(0)``
     has been called and ``FULLY_SHARD_TEST_WORKER=1`` is set.
 
     Returns a list indexed by rank.  Raises :class:`DistributedTestFailure`

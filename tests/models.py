@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.harness import device
+
 
 @dataclass
 class ModelArgs:
@@ -107,4 +109,4 @@ def batch(step: int, rank: int, args: ModelArgs | None = None, batch_size: int =
     """Different tokens per rank and step, the same on every run."""
     args = args or ModelArgs()
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, args.vocab_size, (batch_size, args.max_seq_len), generator=g)
+    return torch.randint(0, args.vocab_size, (batch_size, args.max_seq_len), generator=g, device="cpu").to(device())

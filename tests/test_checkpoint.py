@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import fully_shard as fully_shard_lib
 from fully_shard import fully_shard
 from tests.collectives import CollectiveRecorder
-from tests.harness import run_distributed
+from tests.harness import device, device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 from tests.test_tp import TP_PLAN
 
@@ -50,9 +50,9 @@ LR = 1e-2
 def _mesh(kind: str):
     ws = dist.get_world_size()
     if kind == "fsdp":
-        return init_device_mesh("cpu", (ws,))
+        return init_device_mesh(device_type(), (ws,))
     assert kind == "hsdp", kind
-    return init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type(), (2, ws // 2), mesh_dim_names=("replicate", "shard"))
 
 
 def _reference(seed: int = 0) -> Transformer:
@@ -499,7 +499,7 @@ class _DropoutNet(nn.Module):
 
 def _resume_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-    return torch.randn(8, 17, generator=g), torch.randn(8, 3, generator=g)
+    return torch.randn(8, 17, generator=g, device="cpu").to(device()), torch.randn(8, 3, generator=g, device="cpu").to(device())
 
 
 def _resume_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -586,7 +586,7 @@ def _clip(kind: str, impl: str, per_mesh: bool = False, max_norm: float = 0.5) -
     shard = fully_shard if impl == "ours" else torch_fully_shard
     data_rank = dist.get_rank()
     if kind == "tp":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
         dp_mesh, data_rank = mesh["dp"], mesh["dp"].get_local_rank()
         for block in model.layers:
             parallelize_module(block, mesh["tp"], TP_PLAN)

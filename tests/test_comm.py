@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.collectives import CollectiveRecord, CollectiveRecorder, format_records, split_phases
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 N_LAYERS = 3
@@ -41,7 +41,7 @@ def _shard(model: Transformer, impl: str, reshard_after_forward: bool | None) ->
         from fully_shard import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 ARGS = ModelArgs(vocab_size=67, dim=32, n_layers=2, ffn_dim=64)
@@ -82,7 +82,7 @@ def _build(impl: str, placement: Placement | None, backend: Any, ac: bool = Fals
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block)
     shard = _shard_fn(impl)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
 
     def compile_blocks() -> None:
         assert placement is not None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 ARGS = ModelArgs(n_layers=2)
@@ -62,7 +62,7 @@ def _fully_shard(*args: Any, **kwargs: Any) -> Any:
 
 
 def _mesh(*shape: int) -> Any:
-    return init_device_mesh("cpu", shape)
+    return init_device_mesh(device_type(), shape)
 
 
 def _shard_nested(model: Transformer) -> Transformer:
@@ -82,7 +82,7 @@ def _case_mesh_3d() -> None:
 
 
 def _case_mesh_2d_model_parallel_names() -> None:
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type(), (1, 1), mesh_dim_names=("dp", "tp"))
     _fully_shard(nn.Linear(4, 4), mesh=mesh)
 
 
@@ -111,7 +111,7 @@ def _case_meta_init_then_to_empty() -> None:
     with torch.device("meta"):
         model = Transformer(ARGS)
     _shard_nested(model)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device_type())
     model.pos = ref.pos.clone()  # a non-persistent buffer: to_empty leaves it uninitialised
     with torch.no_grad():
         for p, p_ref in zip(model.parameters(), ref.parameters()):

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fully_shard import fully_shard
 from fully_shard.comm import CollectiveError
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer
 
@@ -87,7 +87,7 @@ def _recover_and_train() -> dict[str, Any]:
     steps the sharded models raise (on every rank), recover with reset_iter_state() and
     optimizer.zero_grad(), and go on; the reference skips those steps."""
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     torch.manual_seed(0)
     ref = Transformer(ARGS)
     models = {
@@ -176,9 +176,9 @@ def _one_rank_fails(where: str) -> dict[str, Any]:
     rank = dist.get_rank()
     pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
     # Own dim names: DeviceMesh equality ignores the process group, so an unnamed mesh on
-    # this group would equal init_device_mesh("cpu", (2,)) of later tests, and DTensor's
+    # this group would equal init_device_mesh(device_type(), (2,)) of later tests, and DTensor's
     # caches could then send their collectives to this (timed-out) group.
-    mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("dp_fail_fast",))
+    mesh = DeviceMesh.from_group(pg, device_type(), mesh_dim_names=("dp_fail_fast",))
     torch.manual_seed(0)
     model = _shard(Transformer(ARGS), fully_shard, mesh)
     trap = _Trap(model.layers[1].feed_forward)
@@ -261,7 +261,7 @@ def _interrupted_save(root: str) -> str:
     from examples.checkpointing import latest_checkpoint, save_checkpoint
 
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     torch.manual_seed(0)
     model = _shard(Transformer(ARGS), fully_shard, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

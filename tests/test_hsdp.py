@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fully_shard import fully_shard
 from tests.collectives import CollectiveRecorder
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 # name -> (mesh shape, reshard_after_forward)
@@ -31,7 +31,7 @@ CONFIGS = {
 
 def _mesh(shape: tuple[int, ...]):
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return init_device_mesh(device_type(), shape, mesh_dim_names=names)
 
 
 def _shard(model, shard_fn, mesh, reshard) -> None:
@@ -198,7 +198,7 @@ def test_bad_reshard_after_forward_int(k: int) -> None:
 
 
 def _tp_named_mesh() -> str:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     try:
         fully_shard(Transformer(), mesh=mesh)
     except ValueError as e:
@@ -212,7 +212,7 @@ def test_2d_mesh_with_tp_dim_name_is_rejected() -> None:
 
 
 def _three_d_mesh() -> str:
-    mesh = init_device_mesh("cpu", (1, 2, 2))
+    mesh = init_device_mesh(device_type(), (1, 2, 2))
     try:
         fully_shard(Transformer(), mesh=mesh)
     except ValueError as e:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import Block, ModelArgs, Transformer, batch, loss_fn
 
 IMPLS = ("ours", "torch")
@@ -72,7 +72,7 @@ def _layout(impl_order: tuple[str, ...] = IMPLS) -> dict[str, Any]:
     for impl in impl_order:
         fully_shard, FSDPModule = _fully_shard(impl), _fsdp_module(impl)
         model = copy.deepcopy(ref)
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device_type(), (world,))
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -104,7 +104,7 @@ def _sequential_slicing(impl: str) -> dict[str, Any]:
     fully_shard, FSDPModule = _fully_shard(impl), _fsdp_module(impl)
     args = ModelArgs(dim=16, ffn_dim=24, n_heads=2)
     seq = nn.Sequential(Block(args), Block(args), Block(args))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     for block in seq:
         fully_shard(block, mesh=mesh)
     fully_shard(seq, mesh=mesh)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests.collectives import CollectiveRecorder
-from tests.harness import run_distributed
+from tests.harness import device, device_type, run_distributed
 from tests.models import Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer
 
@@ -41,7 +41,7 @@ def _shard(model: nn.Module, shard_fn, mesh, mp_policy=None, **kw) -> None:
 
 
 def _mp_vs_torch(policy: dict, steps: int) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     ours = Transformer()
     theirs = copy.deepcopy(ours)
     _shard(ours, fully_shard, mesh, mp_policy=MixedPrecisionPolicy(**policy))
@@ -96,7 +96,7 @@ class _Mlp(nn.Module):
 
 
 def _no_input_cast(shard_fn, policy_cls) -> list:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     torch.manual_seed(0)
     model = _Mlp()
     shard_fn(model.b, mesh=mesh, mp_policy=policy_cls(param_dtype=torch.bfloat16, cast_forward_inputs=False))
@@ -104,7 +104,7 @@ def _no_input_cast(shard_fn, policy_cls) -> list:
     seen: dict[str, list[torch.dtype]] = {"a": [], "b": []}
     for name in seen:
         getattr(model, name).register_forward_pre_hook(lambda m, args, name=name: seen[name].append(args[0].dtype))
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(dist.get_rank()), device="cpu").to(device())
     model(x).float().sum().backward()
     return [seen, [p.grad.full_tensor() for p in model.parameters()]]
 
@@ -128,7 +128,7 @@ def _no_input_cast_torch() -> list:
 
 
 def _fp32_input_reaches_uncast_module() -> tuple[torch.dtype, str]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     model = nn.Sequential(nn.Linear(8, 16))
     # bf16 compute with cast_forward_inputs=False: the fp32 input must reach the module as it is
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False))
@@ -148,7 +148,7 @@ def test_cast_forward_inputs_off_leaves_inputs() -> None:
 
 
 def _accumulate_in_reduce_dtype() -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     ours = Transformer()
     theirs = copy.deepcopy(ours)
     _shard(ours, fully_shard, mesh, mp_policy=MixedPrecisionPolicy(**BF16_FP32))
@@ -197,7 +197,7 @@ class _LoraModel(nn.Module):
 
 def _mixed_dtype_group(steps: int) -> dict:
     ws, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(device_type(), (ws,))
     torch.manual_seed(0)
     ref = _LoraModel()
     model = copy.deepcopy(ref)
@@ -208,7 +208,7 @@ def _mixed_dtype_group(steps: int) -> dict:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     counts = {}
     for step in range(steps):
-        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + rank))
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + rank), device="cpu").to(device())
         ref(x).square().sum().backward()
         for p in ref.parameters():
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
@@ -238,7 +238,7 @@ def test_mixed_original_dtypes_in_one_group() -> None:
 
 def _offload(pin_memory: bool) -> None:
     ws, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(device_type(), (ws,))
     ref = Transformer()
     offloaded = copy.deepcopy(ref)
     _shard(offloaded, fully_shard, mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))

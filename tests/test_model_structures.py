@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from tests.collectives import CollectiveRecord, CollectiveRecorder
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import Block, FeedForward, ModelArgs, Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer
 
@@ -311,7 +311,7 @@ def _three(build: Callable[[], nn.Module], shard: Callable[[nn.Module, Callable[
 
 
 def _mesh() -> Any:
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+    return init_device_mesh(device_type(), (dist.get_world_size(),))
 
 
 def _kinds(records: list[CollectiveRecord], kind: str) -> list[CollectiveRecord]:
@@ -341,7 +341,7 @@ def case_meta_init(steps: int) -> dict[str, float]:
             model = Transformer()
         _shard_nested(model, shard, mesh)
         assert all(p.is_meta for p in model.parameters()), f"{impl}: fully_shard materialised a meta parameter"
-        model.to_empty(device="cpu")
+        model.to_empty(device=device_type())
         _user_init(model, seed=1)
         sharded[impl] = model
     ours, theirs = sharded["ours"], sharded["torch"]
@@ -365,7 +365,7 @@ def _materialized(shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
     from fully_shard import fully_shard, materialize
 
     names = ("replicate", "shard") if len(shape) == 2 else None
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
     with torch.device("meta"):
         model = Transformer()
     _shard_nested(model, fully_shard, mesh)
@@ -410,7 +410,7 @@ def case_rank0_load(steps: int) -> dict[str, float]:
         with torch.device("meta"):
             model = BufferTransformer()
         _shard_nested(model, shard, mesh)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device_type())
         # ``pos`` is not persistent: no state dict carries it, the model computes it
         with torch.no_grad():
             Transformer.reset_parameters(model)
@@ -543,7 +543,7 @@ def case_ignored(steps: int) -> dict[str, float]:
         original, ptr = originals["ours"][name]
         assert p is original, f"ignored: {name} was replaced"
         assert type(p) is nn.Parameter and not isinstance(p, DTensor), f"ignored: {name} is {type(p).__name__}"
-        assert p.data_ptr() == ptr and p.device.type == "cpu", f"ignored: {name} was moved"
+        assert p.data_ptr() == ptr and p.device.type == device_type(), f"ignored: {name} was moved"
         assert p.grad is not None and not isinstance(p.grad, DTensor), f"ignored: {name}.grad is {type(p.grad)}"
         grads = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
         dist.all_gather(grads, p.grad)

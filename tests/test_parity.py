@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import Block, Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer
 
@@ -345,7 +345,7 @@ def _train_case(name: str, steps: int, comms: _CommCounter) -> dict[str, float]:
     ref = _build(spec.get("model", "base"))
     ours = copy.deepcopy(ref)
     theirs = copy.deepcopy(ref)
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(device_type(), (ws,))
     _shard(ours, fully_shard, mesh, spec)
     _shard(theirs, torch_fully_shard, mesh, spec)
     assert isinstance(ours, FSDPModule) and isinstance(ours, ParityTransformer), f"{name}: class {type(ours)}"

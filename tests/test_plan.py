@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fully_shard import MixedPrecisionPolicy
 from fully_shard.tools.cli import main as cli_main
 from fully_shard.tools.plan import plan, shard_layout
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +46,7 @@ def _policy(param: str | None, reduce: str | None) -> MixedPrecisionPolicy:
 def _shard(model: Transformer, **kwargs: Any) -> None:
     from fully_shard import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     for block in model.layers:
         fully_shard(block, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
@@ -110,7 +110,7 @@ def test_planned_peak_matches_measured_step(config: str) -> None:
     results = run_distributed(_measure_step_body, 2, param, reduce, reshard)
     for rank, measured in enumerate(results):
         planned = plan(_big, 2, mp_policy=_policy(param, reduce), reshard_after_forward=reshard,
-                       rank=rank, device_type="cpu")
+                       rank=rank, device_type=device_type())
         error = planned.peak_bytes / measured["model_state"] - 1
         print(
             f"[{config}] rank {rank}: planned {planned.peak_bytes} B at {planned.peak_at}; measured "
@@ -147,7 +147,7 @@ def _sharded_state_body(param: str | None, reduce: str | None) -> dict[str, int]
 def test_sharded_bytes_equal_fully_shard(world_size: int) -> None:
     results = run_distributed(_sharded_state_body, world_size, None, None)
     for rank, real in enumerate(results):
-        p = plan(_small, world_size, rank=rank, device_type="cpu")
+        p = plan(_small, world_size, rank=rank, device_type=device_type())
         assert (p.sharded_param_bytes, p.grad_bytes, p.optimizer_bytes) == (
             real["params"], real["grads"], real["optimizer"]), (rank, real)
     assert results[0]["params"] > results[-1]["params"]  # uneven rows: the last rank holds less
@@ -157,7 +157,7 @@ def test_sharded_bytes_equal_fully_shard_mixed_precision() -> None:
     # bf16 reduce: the fp32 sharded gradients are copies of this rank's rows, not views
     results = run_distributed(_sharded_state_body, 2, "bf16", "bf16")
     for rank, real in enumerate(results):
-        p = plan(_small, 2, mp_policy=_policy("bf16", "bf16"), rank=rank, device_type="cpu")
+        p = plan(_small, 2, mp_policy=_policy("bf16", "bf16"), rank=rank, device_type=device_type())
         assert (p.sharded_param_bytes, p.grad_bytes, p.optimizer_bytes) == (
             real["params"], real["grads"], real["optimizer"]), (rank, real)
 

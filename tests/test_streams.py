@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fully_shard.comm as comm
 from fully_shard import fully_shard
 from fully_shard import streams as fs_streams
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 
@@ -100,7 +100,7 @@ def _recording() -> Iterator[RecordingBackend]:
 
 
 def _train_step_log(post_optim_event: bool) -> list[tuple[Any, ...]]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     with _recording() as backend:
         model = Transformer(ModelArgs(n_layers=3))
         for block in model.layers:

@@ -14,12 +14,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from fully_shard import FSDPModule, fully_shard
 from fully_shard.tools import CollectiveMismatchError, apply_fully_shard, debug_collectives, trace_comm
 from tests.collectives import CollectiveRecorder
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import Block, ModelArgs, Transformer, batch, loss_fn
 
 
 def _mesh():
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+    return init_device_mesh(device_type(), (dist.get_world_size(),))
 
 
 def _sharded_model(n_layers: int = 3) -> Transformer:

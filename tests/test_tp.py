@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fully_shard import fully_shard
-from tests.harness import run_distributed
+from tests.harness import device_type, run_distributed
 from tests.models import Transformer, batch, loss_fn
 
 TP_PLAN = {
@@ -37,10 +37,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float, name: str) -> None:
 
 def _train_2d(steps: int, tp: bool) -> list[str]:
     if tp:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
         dp_mesh, data_rank = mesh["dp"], mesh["dp"].get_local_rank()
     else:
-        dp_mesh, data_rank = init_device_mesh("cpu", (4,)), dist.get_rank()
+        dp_mesh, data_rank = init_device_mesh(device_type(), (4,)), dist.get_rank()
     ref = Transformer()
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
 
@@ -100,7 +100,7 @@ def test_shard_placement_fn_shard_1() -> None:
 
 
 def _uneven_shard_1() -> str:
-    mesh = init_device_mesh("cpu", (4,))
+    mesh = init_device_mesh(device_type(), (4,))
     try:
         fully_shard(torch.nn.Linear(6, 3), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     except ValueError as e:

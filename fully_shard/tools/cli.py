@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from . import llama
+from ..streams import accelerator_type
 from .plan import OPTIMIZERS, load_model, plan
 
 __all__ = ["main", "DTYPES"]
@@ -53,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="class names of the modules that get their own fully_shard call "
                    "(default: the children of every ModuleList named 'layers')")
     p.add_argument("--rank", type=int, default=0, help="the rank to plan for (default 0, which holds the most)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cuda: any device with streams (default); cpu: a CPU (gloo) mesh")
+    p.add_argument("--device", default=accelerator_type(), choices=[accelerator_type(), "cpu"],
+                   help=f"{accelerator_type()}: any device with streams (default); cpu: a CPU (gloo) mesh")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     return p
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..streams import accelerator_type, has_streams
 from . import llama
 
 __all__ = ["plan", "Plan", "GroupPlan", "shard_layout", "OPTIMIZERS", "load_model"]
@@ -569,7 +570,7 @@ def plan(
     reshard_after_forward: Union[bool, int, None] = None,
     wrap: WrapSpec = None,
     rank: int = 0,
-    device_type: str = "cuda",
+    device_type: str = accelerator_type(),
     foreach: bool | None = None,
 ) -> Plan:
     """Per-rank memory and communication of training a model under fully_shard, without
@@ -599,7 +600,8 @@ def plan(
             ``nn.ModuleList`` named ``layers`` (transformer blocks).
         rank: the rank to plan for; rank 0 holds the most (the last ranks may hold fewer
             rows of a parameter whose dim 0 the shard size does not divide).
-        device_type: ``"cuda"`` (or any device with streams) or ``"cpu"``.
+        device_type: a device type with streams (default: this machine's accelerator, else
+            CUDA's) or ``"cpu"``.
         foreach: whether the optimizer step is a foreach one (default: as torch chooses,
             foreach on an accelerator, per tensor on the CPU).
 
@@ -633,7 +635,7 @@ def plan(
     on_device = not offload or device_type == "cpu"  # where the sharded state lives
     if offload and device_type == "cpu":
         notes.append("CPU offload changes nothing on a CPU mesh: everything is host memory")
-    streams = device_type not in ("cpu", "meta")
+    streams = has_streams(torch.device(device_type))
     if foreach is None:
         foreach = streams
 

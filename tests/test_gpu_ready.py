@@ -1,0 +1,108 @@
+"""The GPU-ready pieces that a CPU can check: the package names no device, the test
+harness's device switch, and the GPU check's logic (``python -m benchmarks.gpu_check``)
+run on the CPU with ``--dry-run``."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+from tests import harness
+from tests.harness import run_distributed
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_no_cuda_literal_outside_streams() -> None:
+    """Everything device-specific is behind fully_shard/streams.py; nothing calls torch.cuda."""
+    offenders = []
+    for path in sorted((ROOT / "fully_shard").rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(ROOT).as_posix()
+        if "torch.cuda" in text:
+            offenders.append(f"{rel}: torch.cuda (use torch.accelerator or fully_shard/streams.py)")
+        if rel != "fully_shard/streams.py":
+            offenders += [f"{rel}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1) if "cuda" in line]
+    assert not offenders, "device names outside fully_shard/streams.py:\n" + "\n".join(offenders)
+
+
+def test_device_switch_defaults_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(harness.DEVICE_ENV, raising=False)
+    assert harness.device_type() == "cpu" and not harness.on_accelerator()
+    monkeypatch.setenv(harness.DEVICE_ENV, " CUDA ")
+    assert harness.device_type() == "cuda" and harness.on_accelerator()
+    mark = harness.skip_on_accelerator("needs the CPU")
+    assert mark.args == (True,) and mark.kwargs["reason"] == f"{harness.DEVICE_ENV}=cuda: needs the CPU"
+
+
+def test_backend_for_world_and_devices() -> None:
+    assert harness.backend_for("cpu", 4, 0) == "gloo"
+    assert harness.backend_for("cuda", 1, 1) == "cpu:gloo,cuda:nccl"  # world of one: NCCL
+    assert harness.backend_for("cuda", 2, 2) == "cpu:gloo,cuda:nccl"  # a GPU per rank
+    assert harness.backend_for("cuda", 2, 1) == "gloo"  # NCCL refuses two ranks on one GPU
+    with pytest.raises(RuntimeError, match="no cuda device"):
+        harness.backend_for("cuda", 1, 0)
+
+
+def test_trace_analysis_finds_streams_and_overlap() -> None:
+    """The device-kernel path of the analysis, on a synthetic trace (times in us)."""
+    from benchmarks.gpu_check import analyse_trace
+
+    def kernel(name: str, stream: int, ts: float, dur: float) -> dict[str, object]:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream, "args": {"stream": stream}}
+
+    events = [kernel("ampere_bf16_gemm", 7, 0, 100), kernel("CatArrayBatchedCopy", 20, 40, 10),
+              kernel("ncclDevKernel_AllGather_RING_LL", 20, 50, 30),
+              kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 24, 90, 30)]
+    path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"fully_shard_trace_{os.getpid()}.json.gz"
+    try:
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        got = analyse_trace(str(path))
+    finally:
+        path.unlink(missing_ok=True)
+    assert got["streams"] == {"all-gather": ["20"], "reduce-scatter": ["24"], "compute": ["7"]}
+    assert got["overlap"]["all-gather"] == 1.0  # 50..80 inside the gemm's 0..100
+    assert abs(got["overlap"]["reduce-scatter"] - 10 / 30) < 1e-12  # 90..100 of 90..120
+
+
+def _dry_run(out: str) -> dict[str, object]:
+    from benchmarks import gpu_check
+
+    result = gpu_check.run(gpu_check.parse(["--dry-run", "--out", out]), torch.device("cpu"))
+    return {"losses": {(r["impl"], r["offload"]): r["losses"] for r in result["runs"]}, "stem": result["stem"]}
+
+
+def test_gpu_check_dry_run(tmp_path: pathlib.Path) -> None:
+    got = run_distributed(_dry_run, 1, str(tmp_path))[0]
+    stem = pathlib.Path(got["stem"])
+    text = stem.with_suffix(".md").read_text()
+    for impl in ("fully_shard", "torch_fsdp2"):
+        assert f"| {impl} | no |" in text and f"| {impl} | CPU |" in text, text
+    assert "Dry run on the CPU" in text
+    svg = ET.parse(f"{stem}-streams.svg").getroot()
+    assert any(el.tag.endswith("rect") for el in svg.iter())  # fully_shard's phases drawn
+    with gzip.open(f"{stem}-trace.json.gz", "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert "fully_shard::pre_forward" in names and "fully_shard::post_backward" in names
+    losses = got["losses"]
+    for offload in (False, True):
+        # same initial weights and tokens; bf16 compute, so a bf16-sized tolerance between libraries
+        torch.testing.assert_close(losses[("fully_shard", offload)], losses[("torch_fsdp2", offload)],
+                                   rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
+def test_gpu_check_without_gpu_exits_with_a_message() -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert "no GPU here" in proc.stderr and "--dry-run" in proc.stderr
