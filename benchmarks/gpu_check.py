@@ -192,8 +192,12 @@ def _overlap(span: tuple[float, float], union: list[tuple[float, float]]) -> flo
 
 
 def analyse_trace(path: str) -> dict[str, Any]:
-    """Device kernels by stream: which streams ran all-gathers, reduce-scatters and compute,
-    and the share of collective time that overlaps compute kernels on another stream."""
+    """Device kernels by stream: the compute stream (the most compute-kernel time), the
+    streams that ran all-gather / reduce-scatter kernels, and per stream its kernels, busy
+    time and the share of that time overlapping kernels on the compute stream.
+
+    At world size 1 fully_shard issues no collective (a one-rank group has nothing to
+    exchange): its side streams then show the copy-in and the gradient packing only."""
     with gzip.open(path, "rt") as f:
         events = json.load(f).get("traceEvents", [])
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -206,19 +210,20 @@ def analyse_trace(path: str) -> dict[str, Any]:
             if e.get("ph") == "X" and str(e.get("name", "")).startswith("fully_shard::"):
                 lane = f"host thread {e.get('tid')}"
                 lanes.setdefault(lane, []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
-        return {"device_kernels": 0, "lanes": lanes, "streams": {}, "overlap": {}}
+        return {"device_kernels": 0, "lanes": lanes, "compute_stream": None, "collectives": {}, "streams": {}}
     busy = {s: sum(b - a for a, b, k in spans if k == "compute") for s, spans in lanes.items()}
     compute_stream = max(busy, key=lambda s: busy[s])
     compute = _union([(a, b) for a, b, k in lanes[compute_stream] if k == "compute"])
-    streams: dict[str, list[str]] = {}
-    overlap: dict[str, float] = {}
-    for kind in ("all-gather", "reduce-scatter"):
-        spans = [(s, a, b) for s, ss in lanes.items() for a, b, k in ss if k == kind]
-        streams[kind] = sorted({s for s, _, _ in spans})
-        total = sum(b - a for _, a, b in spans)
-        overlap[kind] = sum(_overlap((a, b), compute) for s, a, b in spans if s != compute_stream) / total if total else 0.0
-    streams["compute"] = [compute_stream]
-    return {"device_kernels": len(kernels), "lanes": lanes, "streams": streams, "overlap": overlap}
+    collectives = {kind: sorted(s for s, ss in lanes.items() if any(k == kind for _, _, k in ss))
+                   for kind in ("all-gather", "reduce-scatter")}
+    streams: dict[str, dict[str, Any]] = {}
+    for s, ss in sorted(lanes.items()):
+        total = sum(b - a for a, b, _ in ss)
+        overlapped = 0.0 if s == compute_stream else sum(_overlap((a, b), compute) for a, b, _ in ss)
+        streams[s] = {"kernels": len(ss), "busy_us": total, "kinds": sorted({k for _, _, k in ss}),
+                      "overlap": overlapped / total if total else 0.0}
+    return {"device_kernels": len(kernels), "lanes": lanes, "compute_stream": compute_stream,
+            "collectives": collectives, "streams": streams}
 
 
 _COLOURS = {"compute": "#4c72b0", "all-gather": "#55a868", "reduce-scatter": "#c44e52", "other collective": "#8172b2"}
@@ -270,10 +275,14 @@ def render(meta: dict[str, Any], runs: list[dict[str, Any]], trace: dict[str, An
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {_gib(r['max_allocated'])} | {_gib(r['max_reserved'])} | {retries} |")
     lines += ["", "## Streams (one fully_shard step under torch.profiler)", ""]
     if trace["device_kernels"]:
-        lines.append(f"{trace['device_kernels']} device kernels. Compute stream {trace['streams']['compute']}.")
-        for kind in ("all-gather", "reduce-scatter"):
-            lines.append(f"- {kind}: stream(s) {trace['streams'][kind]}, {trace['overlap'][kind]:.0%} of its "
-                         "kernel time overlaps compute kernels on the compute stream")
+        lines += [f"{trace['device_kernels']} device kernels; compute stream {trace['compute_stream']}; "
+                  f"all-gather kernels on stream(s) {trace['collectives']['all-gather'] or 'none'}, "
+                  f"reduce-scatter kernels on {trace['collectives']['reduce-scatter'] or 'none'} (at world "
+                  "size 1 fully_shard skips the collectives; its side streams hold the copies).", "",
+                  "| stream | kernels | busy (ms) | kinds | overlaps compute |", "| --- | ---: | ---: | --- | ---: |"]
+        for s, st in trace["streams"].items():
+            lines.append(f"| {s} | {st['kernels']} | {st['busy_us'] / 1e3:.2f} | {', '.join(st['kinds'])} | "
+                         f"{'(compute)' if s == trace['compute_stream'] else format(st['overlap'], '.0%')} |")
     else:
         lines.append("No device kernels in the trace (CPU): the picture shows fully_shard's phases on the host.")
     lines += ["", f"Trace: `{files['trace']}` (open in chrome://tracing or ui.perfetto.dev). Picture:", "",

@@ -54,7 +54,7 @@ def test_backend_for_world_and_devices() -> None:
 
 def test_trace_analysis_finds_streams_and_overlap() -> None:
     """The device-kernel path of the analysis, on a synthetic trace (times in us)."""
-    from benchmarks.gpu_check import analyse_trace
+    from benchmarks.gpu_check import analyse_trace, render
 
     def kernel(name: str, stream: int, ts: float, dur: float) -> dict[str, object]:
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream, "args": {"stream": stream}}
@@ -69,9 +69,18 @@ def test_trace_analysis_finds_streams_and_overlap() -> None:
         got = analyse_trace(str(path))
     finally:
         path.unlink(missing_ok=True)
-    assert got["streams"] == {"all-gather": ["20"], "reduce-scatter": ["24"], "compute": ["7"]}
-    assert got["overlap"]["all-gather"] == 1.0  # 50..80 inside the gemm's 0..100
-    assert abs(got["overlap"]["reduce-scatter"] - 10 / 30) < 1e-12  # 90..100 of 90..120
+    assert got["compute_stream"] == "7"
+    assert got["collectives"] == {"all-gather": ["20"], "reduce-scatter": ["24"]}
+    side, rs = got["streams"]["20"], got["streams"]["24"]
+    assert side["kinds"] == ["all-gather", "compute"] and side["kernels"] == 2  # copy-in + all-gather
+    assert side["overlap"] == 1.0  # 40..80 inside the gemm's 0..100
+    assert abs(rs["overlap"] - 10 / 30) < 1e-12  # 90..100 of 90..120
+    meta = {"date": "d", "device": "gpu", "dry_run": False, "torch": "t", "commit": "c", "backend": "b",
+            "model": "m", "params": 1, "batch_size": 1, "seq_len": 1, "steps": 1, "warmup": 1,
+            "offload_steps": 1, "offload_model": "m"}
+    text = render(meta, [], got, {"trace": "t.json.gz", "svg": "s.svg"})
+    assert "| 20 | 2 | 0.04 | all-gather, compute | 100% |" in text, text
+    assert "| 24 | 1 | 0.03 | reduce-scatter | 33% |" in text, text
 
 
 def _dry_run(out: str) -> dict[str, object]:
