@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import fully_shard as ours_pkg
-from tests.harness import run_distributed
+from tests.harness import device, device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 ARGS = ModelArgs(n_layers=2, dim=32, ffn_dim=48, vocab_size=37)
@@ -167,7 +167,7 @@ def _train_side_by_side(case: str) -> dict[str, Any]:
 
     from fully_shard import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     base = Transformer(ARGS)
     models, opts, seen = [], [], []
     for shard in (fully_shard, torch_fully_shard):
@@ -328,12 +328,12 @@ def _moe(use_torch: bool) -> list[float]:
     torch.manual_seed(0)
     model = MoE()
     ref = copy.deepcopy(model)
-    shard(model, mesh=init_device_mesh("cpu", (world,)))
+    shard(model, mesh=init_device_mesh(device_type(), (world,)))
     model.set_reduce_scatter_unused_params(True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
-        xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device()) for r in range(world)]
         # expert of rank r at step s: (r + s) % 3, so ranks differ and the choice moves
         model(xs[rank], (rank + step) % 3).sum().backward()
         opt.step()
@@ -382,7 +382,7 @@ def _spmd(use_torch: bool) -> list[Any]:
     from fully_shard import DataParallelMeshDims, fully_shard
 
     shard, dims = (torch_fully_shard, TorchDims) if use_torch else (fully_shard, DataParallelMeshDims)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     model = SpmdMLP(mesh)
     for p in model.parameters():
         # torch's FSDP2 wants each parameter's mesh to be the very mesh object passed to it,
@@ -393,7 +393,7 @@ def _spmd(use_torch: bool) -> list[Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(2):
-        x = distribute_tensor(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)), mesh, (Shard(0), Replicate()))
+        x = distribute_tensor(torch.randn(4, 8, generator=torch.Generator().manual_seed(step), device="cpu").to(device()), mesh, (Shard(0), Replicate()))
         loss = model(x).pow(2).sum().full_tensor()
         loss.backward()
         opt.step()
@@ -417,7 +417,7 @@ def test_dp_mesh_dims_matches_torch_fsdp2() -> None:
 def _spmd_plain_param() -> str:
     from fully_shard import DataParallelMeshDims, fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     try:
         fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     except ValueError as e:

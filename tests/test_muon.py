@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from fully_shard import fully_shard
 from fully_shard.optim import Muon, MuonAdamW, assign_owners, muon_param_groups, newton_schulz, owned_matrices
 from tests.collectives import CollectiveRecorder
-from tests.harness import run_distributed
+from tests.harness import device, device_type, run_distributed
 from tests.oracle import ShardwiseOptimizer
 
 LR = 0.02
@@ -114,9 +114,9 @@ def _net(impl: str | None = None, mesh_kind: str = "fsdp") -> Net:
         shard = fully_shard if impl == "ours" else torch_fully_shard
         ws = dist.get_world_size()
         mesh = (
-            init_device_mesh("cpu", (ws,))
+            init_device_mesh(device_type(), (ws,))
             if mesh_kind == "fsdp"
-            else init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+            else init_device_mesh(device_type(), (2, ws // 2), mesh_dim_names=("replicate", "shard"))
         )
         for block in model.blocks:
             shard(block, mesh=mesh)
@@ -142,7 +142,7 @@ def _rows_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _set_grads(model: nn.Module, ref: nn.Module, step: int) -> None:
     gen = torch.Generator().manual_seed(step)
     for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
-        rp.grad = torch.randn(rp.shape, generator=gen)
+        rp.grad = torch.randn(rp.shape, generator=gen, device="cpu").to(device())
         p.grad = _rows_like(rp.grad, p)
 
 
@@ -234,7 +234,7 @@ def test_muon_batched_newton_schulz_close_to_torch_and_moves_analytic_bytes() ->
 def test_newton_schulz_batched_close_to_per_matrix() -> None:
     gen = torch.Generator().manual_seed(0)
     for shape in [(3, 24, 40), (2, 40, 24), (1, 5, 5)]:
-        stack = torch.randn(shape, generator=gen)
+        stack = torch.randn(shape, generator=gen, device="cpu").to(device())
         loop = newton_schulz(stack, batched=False)
         # tolerance: bf16 matmuls through another kernel, 5 iterations; entries are O(1)
         torch.testing.assert_close(newton_schulz(stack), loop, rtol=0, atol=0.05)
@@ -249,14 +249,14 @@ def _one_rank_and_experts() -> dict[str, Any]:
     holder.experts = experts
     ref = nn.Parameter(experts.detach().clone())
     per_expert = [nn.Parameter(e.detach().clone()) for e in experts.detach()]
-    fully_shard(holder, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    fully_shard(holder, mesh=init_device_mesh(device_type(), (dist.get_world_size(),)))
     opt = Muon([("experts", holder.experts)], lr=LR, batched=False)
     ref_opt = ShardwiseMuon([ref], dist.get_world_size())
     torch_opt = torch.optim.Muon(per_expert, lr=LR)
     with CollectiveRecorder() as rec:
         for step in range(2):
             gen = torch.Generator().manual_seed(step)
-            full = torch.randn(4, 6, 10, generator=gen)
+            full = torch.randn(4, 6, 10, generator=gen, device="cpu").to(device())
             holder.experts.grad = _rows_like(full, holder.experts)
             ref.grad = full.clone()
             for e, p in enumerate(per_expert):
@@ -288,8 +288,8 @@ def _meshes_and_plain() -> dict[str, Any]:
     for module, w in zip((fsdp_w, hsdp_w, plain_w), full):
         module.weight = nn.Parameter(w.clone())
         del module.bias
-    fully_shard(fsdp_w, mesh=init_device_mesh("cpu", (4,)))
-    fully_shard(hsdp_w, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    fully_shard(fsdp_w, mesh=init_device_mesh(device_type(), (4,)))
+    fully_shard(hsdp_w, mesh=init_device_mesh(device_type(), (2, 2), mesh_dim_names=("replicate", "shard")))
     params = [fsdp_w.weight, hsdp_w.weight, plain_w.weight]
     refs = [nn.Parameter(w.clone()) for w in full]
     opt = Muon([("fsdp", params[0]), ("hsdp", params[1]), ("plain", params[2])], lr=LR, batched=False)
@@ -297,7 +297,7 @@ def _meshes_and_plain() -> dict[str, Any]:
     with CollectiveRecorder() as rec:
         gen = torch.Generator().manual_seed(0)
         for p, r in zip(params, refs):
-            r.grad = torch.randn(r.shape, generator=gen)
+            r.grad = torch.randn(r.shape, generator=gen, device="cpu").to(device())
             p.grad = _rows_like(r.grad, p)
         opt.step()
     for ref_opt in ref_opts:
@@ -367,7 +367,7 @@ def _muon_adamw_from_backward(impl: str) -> dict[str, Any]:
     )
     for step in range(2):
         gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
-        tokens = torch.randint(0, 11, (2, 5), generator=gen)
+        tokens = torch.randint(0, 11, (2, 5), generator=gen, device="cpu").to(device())
         model(tokens).square().mean().backward()
         for name, p in model.named_parameters():
             ref_params[name].grad = _full(p.grad)  # the reduce-scattered gradient, gathered
@@ -392,8 +392,8 @@ def test_muon_adamw_after_real_backward_bitwise(impl: str) -> None:
 
 def _owned(world_shapes: list[tuple[int, int]]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(s, generator=gen, dtype=torch.float64) for s in world_shapes]
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fulls = [torch.randn(s, generator=gen, dtype=torch.float64, device="cpu").to(device()) for s in world_shapes]
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     inputs = [distribute_tensor(f, mesh, [Shard(0)]) for f in fulls]
     outs = [torch.empty_like(t.to_local()) for t in inputs]
     seen = 0
@@ -430,7 +430,7 @@ def _errors() -> list[tuple[str, str]]:
     model = _net("ours")
     expect(ValueError, lambda: Muon(model.named_parameters()))  # squeeze.bias is 1-D
     expect(RuntimeError, lambda: Muon([("z", nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64)))]))
-    tp_like = nn.Parameter(distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (2,)), [Shard(1)]))
+    tp_like = nn.Parameter(distribute_tensor(torch.zeros(4, 6), init_device_mesh(device_type(), (2,)), [Shard(1)]))
     expect(ValueError, lambda: Muon([("wq_tp", tp_like)]))
     expect(ValueError, lambda: MuonAdamW(list(model.parameters())))
 

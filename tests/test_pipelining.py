@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.harness import run_distributed
+from tests.harness import device, device_type, run_distributed
 
 
 def _recipe_stage_class() -> Any:
@@ -42,7 +42,7 @@ def _pipeline(one_reduce: bool) -> dict[str, Any]:
     from fully_shard import fully_shard
     from fully_shard.comm import add_observer, remove_observer
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     torch.manual_seed(0)
     full = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 4))
@@ -60,8 +60,8 @@ def _pipeline(one_reduce: bool) -> dict[str, Any]:
     try:
         for step in range(2):
             g = [torch.Generator().manual_seed(100 * step + d) for d in range(2)]
-            xs = [torch.randn(4, 8, generator=gen) for gen in g]
-            ys = [torch.randn(4, 4, generator=gen) for gen in g]
+            xs = [torch.randn(4, 8, generator=gen, device="cpu").to(device()) for gen in g]
+            ys = [torch.randn(4, 4, generator=gen, device="cpu").to(device()) for gen in g]
             if pp == 0:
                 schedule.step(xs[dp])
             else:
@@ -96,7 +96,7 @@ def _two_forwards_then_two_backwards() -> None:
     ref = copy.deepcopy(model)
     fully_shard(model)
     rank, world = dist.get_rank(), dist.get_world_size()
-    xs = [[torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(2)] for r in range(world)]
+    xs = [[torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * r + i), device="cpu").to(device()) for i in range(2)] for r in range(world)]
     # the pipelining order F0 F1 B0 B1, on inputs that need no gradient: the group's
     # post-backward runs from the end-of-backward callback, once per backward
     outs = [model(x) for x in xs[rank]]

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.harness import run_distributed
+from tests.harness import device, device_type, run_distributed
 from tests.oracle import ShardwiseOptimizer
 
 aten = torch.ops.aten
@@ -100,7 +100,7 @@ def _train(use_torch: bool, bf16: bool) -> dict[str, Any]:
     mp = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else mp_cls()
     HalfGather.calls.update(pre=0, post=0, post_out=0)
     HalfGather.gathered_dtypes.clear()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     model = _model()
     for lin in (model[0], model[2]):
         shard(lin, mesh=mesh, mp_policy=mp)
@@ -109,7 +109,7 @@ def _train(use_torch: bool, bf16: bool) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
     losses = []
     for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()), device="cpu").to(device())
         loss = model(x).float().pow(2).mean()
         loss.backward()
         opt.step()
@@ -196,7 +196,7 @@ def _float8(sharded: bool) -> dict[str, Any]:
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
     rank, world = dist.get_rank(), dist.get_world_size()
     if sharded:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device_type(), (world,))
         for lin in (model[0], model[2]):
             fully_shard(lin, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -209,7 +209,7 @@ def _float8(sharded: bool) -> dict[str, Any]:
     losses = []
     try:
         for step in range(3):
-            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank), device="cpu").to(device())
             loss = model(x).pow(2).mean()
             loss.backward()
             if not sharded:
@@ -256,7 +256,7 @@ def _int8(use_torch: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
     quantize_(model, int8_weight_only_quantized_training())
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     for lin in (model[0], model[2]):
         shard(lin, mesh=mesh)
     shard(model, mesh=mesh)
@@ -264,7 +264,7 @@ def _int8(use_torch: bool) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # the int8 weight has no mul_
     losses = []
     for step in range(3):
-        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()), device="cpu").to(device())
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
@@ -302,7 +302,7 @@ def _uneven() -> None:
     make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
     opt, ref_opt = make_opt(model.parameters()), ShardwiseOptimizer(ref.parameters(), world, make_opt)
     for step in range(3):
-        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device()) for r in range(world)]
         model(xs[rank]).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
