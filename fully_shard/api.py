@@ -169,6 +169,7 @@ def fully_shard(
         post_forward = post_forward_info(mesh_info, reshard_after_forward)
     device = mesh_info.device
     ignored = set(ignored_params or ())
+    _check_ignored(modules, ignored)
     label = ", ".join(type(m).__name__ for m in modules)
 
     for key in [k for k, owner in _OWNERS.items() if owner.sharded() is None]:
@@ -193,6 +194,7 @@ def fully_shard(
         )
     group = ParamGroup(sharded, mesh_info, device, label, post_forward) if sharded else None
     state = FSDPState(modules, group, device, reshard_after_forward, mp_policy)
+    state.ignored_params = ignored
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
@@ -319,6 +321,25 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
                 f"fully_shard was already called on this {type(m).__name__}; call it once per module"
             )
     return modules
+
+
+def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> None:
+    """Every ignored parameter must be one of the modules' parameters."""
+    if not ignored:
+        return
+    known = {id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False)}
+    stray = [p for p in ignored if id(p) not in known]
+    if stray:
+        what = ", ".join(
+            f"a {type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p) for p in stray
+        )
+        names = ", ".join(type(m).__name__ for m in modules)
+        raise ValueError(
+            f"fully_shard({names}): ignored_params holds {len(stray)} tensor(s) that are not "
+            f"parameters of the module(s): {what}. Pass parameters of the module being sharded "
+            "(e.g. {module.bias}); a parameter replaced since it was collected is no longer "
+            "the module's."
+        )
 
 
 def _collect_params(

@@ -9,6 +9,8 @@ gradients into one flat input and leaves each rank with its own flat shard.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -50,11 +52,22 @@ def remove_observer(fn: Callable[[CollectiveEvent], None]) -> None:
     _observers.remove(fn)
 
 
+DEBUG_ENV = "FULLY_SHARD_DEBUG"  # "1": debug mode from the start, no code change needed
+_hint_printed = False
+
+
 def set_debug(enabled: bool) -> None:
     """Debug mode: before each collective, ranks exchange what they are about to issue and
     raise on the first divergence instead of hanging in mismatched collectives."""
     global _debug_counts
     _debug_counts = {} if enabled else None
+
+
+def is_debug() -> bool:
+    return _debug_counts is not None
+
+
+set_debug(os.environ.get(DEBUG_ENV, "") == "1")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -104,13 +117,32 @@ def _wait(work: dist.Work, what: str) -> None:
     try:
         work.wait()
     except RuntimeError as e:
+        _print_debug_hint()
         raise CollectiveError(
             f"fully_shard: the {what} did not complete: {e}\n"
             "Another rank has probably failed or stopped issuing the same collectives; this "
             "rank waits for it up to the process group's timeout (init_process_group(timeout=...)). "
             "If every rank caught an exception in the same iteration, call reset_iter_state() "
-            "on the root module and carry on; otherwise restart from the last checkpoint."
+            "on the root module and carry on; otherwise restart from the last checkpoint. "
+            f"To find where the ranks diverged, rerun with {DEBUG_ENV}=1."
         ) from e
+
+
+def _print_debug_hint() -> None:
+    """Once per process, on stderr: a failed collective may be followed by an abort that
+    no exception message survives."""
+    global _hint_printed
+    if _hint_printed or is_debug():
+        return
+    _hint_printed = True
+    print(
+        f"fully_shard: a collective failed. If the ranks ran different modules (an exception or "
+        f"a skipped block on some ranks), rerun with the environment variable {DEBUG_ENV}=1: "
+        "every collective is then checked across ranks first and the first divergence raises "
+        "CollectiveMismatchError naming it (see docs/troubleshooting.md).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 @dataclass

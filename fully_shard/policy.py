@@ -33,6 +33,24 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, torch.dtype):
+                hint = f" (torch.{value})" if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype) else ""
+                raise TypeError(
+                    f"MixedPrecisionPolicy: {name} must be a torch.dtype or None, got "
+                    f"{type(value).__name__} {value!r}; pass e.g. torch.bfloat16{hint}"
+                )
+            if not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecisionPolicy: {name} must be a floating-point dtype, got {value}; "
+                    "e.g. torch.bfloat16, torch.float16 or torch.float32"
+                )
+        _check_bool(self, "cast_forward_inputs")
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:
@@ -58,6 +76,9 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "pin_memory")
 
 
 @dataclass
@@ -91,3 +112,9 @@ class DataParallelMeshDims:
 
 def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
+
+def _check_bool(policy: object, name: str) -> None:
+    value = getattr(policy, name)
+    if not isinstance(value, bool):
+        raise TypeError(f"{type(policy).__name__}: {name} must be a bool, got {type(value).__name__} {value!r}")

@@ -17,11 +17,13 @@ from __future__ import annotations
 from enum import Enum, auto
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -107,7 +109,16 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self._post_forward_index = -1
         self.shared_streams: Streams | None = None  # share_comm_ctx
+        self.fqn: str | None = None  # of its module in the root, once lazy init knows it ("": the root)
+        self.ignored_params: set[nn.Parameter] = set()  # the call's ignored_params
         self._register_hooks()
+
+    def _name(self) -> str:
+        """Its module(s) for messages: by fully-qualified name once the root is known."""
+        cls = ", ".join(type(m).__name__.removeprefix("FSDP") for m in self.modules)
+        if self.fqn is None:
+            return cls
+        return f"the root module ({cls})" if self.fqn == "" else f"module {self.fqn!r} ({cls})"
 
     # -- hooks -----------------------------------------------------------------------
 
@@ -174,6 +185,7 @@ class FSDPState:
             if state.group is not None:
                 state.group.streams = ctx.streams
             state.is_root = state is self
+            state.fqn = names[id(state)]
             if state.reshard_after_forward is None:
                 state.reshard_after_forward = not state.is_root
             if state.group is not None:
@@ -185,6 +197,54 @@ class FSDPState:
             if state.group is not None:
                 for p in state.group.params:
                     p.check_materialized()
+        self._check_enclosing_model()
+
+    def _check_enclosing_model(self) -> None:
+        """Refuse a root inside a model whose own trainable parameters nobody shards.
+
+        The forgotten ``fully_shard(model)``: blocks sharded, the model not. Each block then
+        becomes a root, and the model's own parameters (embeddings, norm, output) are plain
+        tensors whose gradients are never averaged across ranks: every rank trains its own
+        copy. The enclosing model is the outermost module whose forward is running (found
+        once, at lazy init, on the Python stack).
+        """
+        mine = set(self.modules)
+        outer: nn.Module | None = None
+        frame = sys._getframe(1)
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, nn.Module) and obj not in mine and obj is not outer:
+                if any(m in mine for m in obj.modules()):
+                    outer = obj
+            frame = frame.f_back
+        if outer is None:
+            return
+        managed: set[int] = set()
+        ignored: set[int] = set()
+        for sub in outer.modules():
+            state = getattr(sub, STATE_ATTR, None)
+            if state is None:
+                continue
+            ignored.update(id(p) for p in state.ignored_params)
+            for p in state.group.params if state.group is not None else ():
+                managed.update((id(p.sharded_param), id(p.unsharded_param)))
+        loose = [
+            name
+            for name, p in outer.named_parameters()
+            if p.requires_grad and id(p) not in managed and id(p) not in ignored and not isinstance(p, DTensor)
+        ]
+        if loose:
+            shown = ", ".join(repr(n) for n in loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
+            where = next(n for n, m in outer.named_modules() if m in mine)
+            cls = type(self.modules[0]).__name__.removeprefix("FSDP")
+            raise RuntimeError(
+                f"fully_shard: the sharded module {where!r} ({cls}) runs inside {type(outer).__name__}, which is not sharded "
+                f"but has trainable parameters fully_shard does not manage: {shown}. Their "
+                "gradients would never be averaged across ranks, so every rank would train its "
+                f"own copy. Call fully_shard on the {type(outer).__name__} too, after its blocks "
+                "(e.g. `fully_shard(model)` last); parameters synchronised by other means go in "
+                "that call's ignored_params."
+            )
 
     # -- forward -----------------------------------------------------------------------
 
@@ -245,6 +305,7 @@ class FSDPState:
     def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = self.ctx
         assert ctx is not None
+        self._check_registered_params()
         ctx.streams.wait_for_optimizer(ctx.post_optim_event)
         ctx.post_optim_event = None
         if ctx.forward_order:
@@ -255,6 +316,31 @@ class FSDPState:
         if self.device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), self.device)
         return args, kwargs
+
+    def _check_registered_params(self) -> None:
+        """Refuse a parameter replaced after fully_shard (e.g. weights tied afterwards):
+        fully_shard gathers and reduces the one it registered, not the newcomer."""
+        ctx = self.ctx
+        assert ctx is not None
+        for state in ctx.states:
+            for p in state.group.params if state.group is not None else ():
+                for module, name in p.uses:
+                    now = module._parameters.get(name)
+                    if now is not p.sharded_param and now is not p.unsharded_param:
+                        self._raise_replaced(p.fqn, module, name, now)
+
+    def _raise_replaced(self, fqn: str, module: nn.Module, name: str, now: Any) -> None:
+        root = self.modules[0]
+        where = next((f"{m_name}.{name}".lstrip(".") for m_name, m in root.named_modules() if m is module), fqn)
+        new = next((n for n, q in root.named_parameters(remove_duplicate=False) if q is now and n != where), None)
+        what = f"the parameter {new!r}" if new is not None else f"a {type(now).__name__} that is not a parameter of the model"
+        raise RuntimeError(
+            f"fully_shard: parameter {where!r} was replaced after fully_shard by {what} (e.g. "
+            f"weights tied afterwards: `model.{where} = model.{new or '...'}`). fully_shard gathers "
+            "and reduces the parameter it registered, so training would silently ignore the "
+            "change. Tie or replace parameters before calling fully_shard (tied parameters must "
+            "be in one fully_shard call, e.g. on their common parent)."
+        )
 
     def _root_post_forward(self) -> None:
         """Reshard groups prefetched for a module that did not run this time."""
@@ -286,6 +372,14 @@ class FSDPState:
     def pre_backward(self, *unused: Any) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
+        if torch.is_grad_enabled():  # only a backward with create_graph=True records a graph
+            raise RuntimeError(
+                f"fully_shard: a backward with create_graph=True reached {self._name()} (double "
+                "backward, e.g. a gradient penalty via torch.autograd.grad(..., create_graph=True)). "
+                "fully_shard frees the full parameters after each group's backward, and the "
+                "second-order graph would read them later: it is not supported. Compute the "
+                "higher-order term outside the sharded modules, or without create_graph."
+            )
         with record_function("fully_shard::pre_backward"):
             self._queue_final_callback()
             self.training_state = TrainingState.PRE_BACKWARD

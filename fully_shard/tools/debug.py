@@ -25,8 +25,9 @@ def debug_collectives() -> Iterator[None]:
         >>> with fully_shard.tools.debug_collectives():
         ...     loss = model(x).sum(); loss.backward()
     """
+    was_on = comm.is_debug()  # e.g. FULLY_SHARD_DEBUG=1: stays on after the context
     comm.set_debug(True)
     try:
         yield
     finally:
-        comm.set_debug(False)
+        comm.set_debug(was_on)
