@@ -136,6 +136,9 @@ def fully_shard(
             reduce-scatter. On a CPU mesh everything already lives in host memory, so it
             changes nothing there (and never pins memory without an accelerator).
         ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
+            Each must be a parameter of ``module`` (``ValueError`` otherwise). The root's
+            first forward refuses a trainable parameter of the enclosing model that no
+            ``fully_shard`` call shards or ignores (a forgotten ``fully_shard(model)``).
         dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every
             parameter a DTensor on it, ``Replicate()`` on the data-parallel dims this names;
             fully_shard shards over ``shard`` (HSDP: replicates over ``replicate``) and the
@@ -342,6 +345,17 @@ def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
         )
 
 
+def _owner_param_name(owner: _Owner, modules: tuple[nn.Module, ...]) -> str:
+    """The owner's parameter, by its name under ``modules`` where it lies there."""
+    owner_modules = {id(m()) for m in owner.modules}
+    for i, top in enumerate(modules):
+        for name, m in top.named_modules():
+            if id(m) in owner_modules:
+                prefix = (f"{i}." if len(modules) > 1 else "") + (f"{name}." if name else "")
+                return f"parameter {prefix + owner.fqn!r}"
+    return f"its parameter {owner.fqn!r}"
+
+
 def _collect_params(
     modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
 ) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
@@ -375,7 +389,7 @@ def _collect_params(
                     )
                 raise ValueError(
                     f"fully_shard({type(module).__name__}): parameter {fqn!r} is tied to (or shared "
-                    f"with) a parameter that the fully_shard call on {owner.label} already sharded. "
+                    f"with) {_owner_param_name(owner, modules)}, which the fully_shard call on {owner.label} already sharded. "
                     "Tied parameters must be in one group: pass both modules in one call, "
                     "fully_shard([a, b]), or shard their common parent instead."
                 )
@@ -562,12 +576,12 @@ class FSDPModule:
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters as this module's forward starts, instead of
         the implicit choice (the module that ran next in the previous iteration)."""
-        state_of(self).forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")  # type: ignore[arg-type]
+        state_of(self).forward_prefetch = _states_of(self, modules, "set_modules_to_forward_prefetch")  # type: ignore[arg-type]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters as this module's backward starts, instead of
         the implicit choice (the module that ran before it in forward)."""
-        state_of(self).backward_prefetch = _states_of(modules, "set_modules_to_backward_prefetch")  # type: ignore[arg-type]
+        state_of(self).backward_prefetch = _states_of(self, modules, "set_modules_to_backward_prefetch")  # type: ignore[arg-type]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's summed gradients by ``factor`` instead of averaging over the
@@ -730,11 +744,26 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             state_of(m).shared_streams = shared  # type: ignore[arg-type]
 
 
-def _states_of(modules: list[FSDPModule], method: str) -> list[FSDPState]:
-    for m in modules:
+def _states_of(caller: nn.Module, modules: list[FSDPModule], method: str) -> list[FSDPState]:
+    for i, m in enumerate(modules):
         if not isinstance(m, FSDPModule):
-            raise ValueError(f"{method} expects modules sharded by fully_shard, got a {type(m).__name__}")
+            raise ValueError(
+                f"{method} expects modules sharded by fully_shard, got {_name_in_model(caller, m)} "
+                f"({type(m).__name__}, item {i} of the list). Pass modules fully_shard was called "
+                "on, e.g. model.layers[i + 1]."
+            )
     return [state_of(m) for m in modules]  # type: ignore[arg-type]
+
+
+def _name_in_model(anchor: nn.Module, module: Any) -> str:
+    """``module``'s fully-qualified name under the outermost sharded module holding it."""
+    candidates = {id(m()): m() for owner in _OWNERS.values() for m in owner.modules if m() is not None}
+    candidates[id(anchor)] = anchor
+    names = [name for top in candidates.values() for name, m in top.named_modules() if m is module]
+    if not names:
+        return repr(type(module).__name__)
+    name = max(names, key=len)
+    return repr(name) if name else "the root module"
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

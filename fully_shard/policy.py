@@ -22,6 +22,10 @@ class MixedPrecisionPolicy:
             leaves outputs alone.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
 
+    Every field is checked here: a dtype field that is not a ``torch.dtype`` (e.g. the
+    string ``"bfloat16"``) raises ``TypeError``, a non-floating dtype ``ValueError``,
+    naming the field.
+
     Example::
 
         >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

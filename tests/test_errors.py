@@ -405,7 +405,8 @@ def test_module_shared_across_groups_is_a_tie_not_top_down() -> None:
 
 
 def test_parameter_tied_between_block_and_root() -> None:
-    _expect_error(_case_tied_root_and_block, ValueError, "'output.weight'", "tied", "one group")
+    # both by their names in the model
+    _expect_error(_case_tied_root_and_block, ValueError, "'output.weight'", "parameter 'layers.0.attention.wq.weight'", "tied", "one group")
 
 
 # ---------------------------------------------------------------------------
@@ -418,11 +419,11 @@ def test_child_forward_before_root() -> None:
 
 
 def test_forward_prefetch_with_non_fsdp_module() -> None:
-    _expect_error(_case_forward_prefetch_non_fsdp, ValueError, "set_modules_to_forward_prefetch", "RMSNorm")
+    _expect_error(_case_forward_prefetch_non_fsdp, ValueError, "set_modules_to_forward_prefetch", "'norm' (RMSNorm")
 
 
 def test_backward_prefetch_with_non_fsdp_module() -> None:
-    _expect_error(_case_backward_prefetch_non_fsdp, ValueError, "set_modules_to_backward_prefetch", "Attention")
+    _expect_error(_case_backward_prefetch_non_fsdp, ValueError, "set_modules_to_backward_prefetch", "'layers.0.attention' (Attention")
 
 
 def test_reset_iter_state_on_non_root() -> None:

@@ -447,3 +447,31 @@ def test_failed_collective_prints_the_debug_hint_once(capsys: pytest.CaptureFixt
             comm._wait(_FailedWork(), "all-gather of layers.1's parameters")  # type: ignore[arg-type]
         assert "all-gather of layers.1's parameters did not complete" in str(info.value)
     assert capsys.readouterr().err.count("FULLY_SHARD_DEBUG=1") == 1
+
+
+# ---------------------------------------------------------------------------
+# docs/troubleshooting.md lists every error the library raises
+# ---------------------------------------------------------------------------
+
+
+def test_troubleshooting_lists_every_error() -> None:
+    """Each ``raise X("...")`` under fully_shard/ has one of its literal fragments (its
+    first three words, a leading ``name:`` dropped) in docs/troubleshooting.md."""
+    import ast
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    doc = " ".join((root / "docs" / "troubleshooting.md").read_text().split())
+    missing = []
+    for path in sorted((root / "fully_shard").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
+                continue
+            arg = node.exc.args[0]
+            parts = [arg] if isinstance(arg, ast.Constant) else getattr(arg, "values", [])
+            frags = [re.sub(r"^\w+: ", "", p.value.strip()) for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str)]
+            keys = [" ".join(f.split()[:3]).rstrip(":,.") for f in frags if f]
+            if not any(k and k in doc for k in keys):
+                missing.append(f"{path.relative_to(root)}:{node.lineno} {keys[:2]}")
+    assert not missing, "errors missing from docs/troubleshooting.md:\n" + "\n".join(missing)

@@ -18,7 +18,8 @@ def debug_collectives() -> Iterator[None]:
     exchange what they are about to issue (kind, group, size, dtype) and raise
     :class:`CollectiveMismatchError` naming the first divergence, instead of hanging in
     mismatched collectives. Costs one small extra collective per collective: for debugging.
-    Enter it on every rank.
+    Enter it on every rank. The environment variable ``FULLY_SHARD_DEBUG=1`` turns the
+    same checks on for the whole run, without changing code.
 
     Example::
 
