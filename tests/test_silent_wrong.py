@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.harness import run_distributed
+from tests.harness import device, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 ARGS = ModelArgs(vocab_size=37, dim=24, n_layers=3, n_heads=4, ffn_dim=40, max_seq_len=8)
@@ -55,7 +55,7 @@ class CutTransformer(Transformer):
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     rank = dist.get_rank()
-    return batch(2 * step, rank, ARGS, 4), batch(2 * step + 1, rank, ARGS, 4)
+    return batch(2 * step, rank, ARGS, 4).to(device()), batch(2 * step + 1, rank, ARGS, 4).to(device())
 
 
 # ---------------------------------------------------------------------------
@@ -127,7 +127,7 @@ PATTERNS: dict[str, Callable[..., Any]] = {
 
 def _build(frozen: tuple[str, ...] = ()) -> tuple[CutTransformer, CutTransformer]:
     torch.manual_seed(0)
-    ref = CutTransformer()
+    ref = CutTransformer().to(device())  # the suite's device switch (FULLY_SHARD_TEST_DEVICE)
     for name, p in ref.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
