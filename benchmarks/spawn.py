@@ -6,11 +6,18 @@ simulation), with one intra-op thread per process. Rank 0's return value comes b
 parent through a pickle file. A job that fails or runs past its deadline is reported as an
 error string; the other jobs still run.
 
-The rendezvous store (a ``TCPStore``) lives in the parent, as under ``torchrun``, not in
-rank 0: a rank 0 hosting it had to tear the store's server down at exit while rank 1 could
-still be connected, and now and then died there with ``terminate called without an active
-exception`` (SIGABRT) after finishing its work. Every rank is now a client, and the server
-outlives them all.
+The rendezvous store (a ``TCPStore``) lives in the parent, as under ``torchrun``: every
+rank is a client and the server outlives them all (and takes a free port itself).
+
+Each rank leaves through ``os._exit`` once its result is written and its process group
+destroyed, never through interpreter finalization. A gloo worker thread releases a finished
+collective (and the tensors it holds, whose Python objects need the GIL) a moment after
+``wait()`` returned; on a loaded machine that moment can fall inside ``Py_FinalizeEx``, where
+taking the GIL ends the thread with a forced unwind through a ``noexcept`` frame:
+``terminate called without an active exception`` (SIGABRT), after all the work was done.
+A core dump of such a rank 0 showed exactly that: main thread in ``Py_FinalizeEx``'s garbage
+collection, a ``ProcessGroupGloo::runLoop`` thread in ``~AsyncAllreduceWork`` ->
+``decref_pyobject`` -> ``gil_scoped_acquire`` -> ``pthread_exit`` -> ``std::terminate``.
 """
 
 from __future__ import annotations
@@ -57,6 +64,19 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
             dist.destroy_process_group()
     except Exception:
         pass
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Leave the process without interpreter finalization (see the module docstring)."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def run_job(

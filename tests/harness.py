@@ -338,6 +338,9 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
     except Exception:  # pragma: no cover
         pass
     _flush_std_streams()
+    # no interpreter finalization: a gloo worker thread that releases a finished collective
+    # while Py_FinalizeEx runs aborts the process (see benchmarks/spawn.py)
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------
