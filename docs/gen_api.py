@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import os
 import re
@@ -140,6 +141,13 @@ def _in_torch(name: str, method: str | None = None) -> bool:
     return method is None or callable(getattr(obj, method, None))
 
 
+# Public subpackages documented after fully_shard.optim (all fully_shard additions).
+SUBPACKAGES = (
+    ("fully_shard.tools", "planner, comm trace, wrap helpers, debug mode"),
+    ("fully_shard.ckpt", "crash-safe checkpoints, CheckpointManager, conversion to one file"),
+)
+
+
 def _entry(name: str, obj: object, torch_names: bool, level: str = "##") -> list[str]:
     """One public name (and a class's documented methods) as Markdown."""
     addition = ["*fully_shard addition: not in torch's FSDP2.*", ""]
@@ -176,6 +184,8 @@ def render() -> str:
 
     parts += [f"- [`{n}`](#{n.lower()})" + ("" if _in_torch(n) else " (addition)") for n in fully_shard.__all__]
     parts.append(f"- [`fully_shard.optim`](#fully_shardoptim) (addition): {', '.join(f'`{n}`' for n in optim.__all__)}")
+    for module, blurb in SUBPACKAGES:
+        parts.append(f"- [`{module}`](#{module.replace('.', '')}) (addition): {blurb}")
     parts.append("")
     for name in fully_shard.__all__:
         parts += _entry(name, getattr(fully_shard, name), torch_names=True)
@@ -188,6 +198,16 @@ def render() -> str:
     ]
     for name in optim.__all__:
         parts += _entry(name, getattr(optim, name), torch_names=False, level="###")
+    for module, _ in SUBPACKAGES:
+        mod = importlib.import_module(module)
+        parts += [f"## {module}", "", "*fully_shard addition: not in torch's FSDP2.*", "",
+                  _markdown(inspect.getdoc(mod) or "")]
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if not callable(obj):  # a constant (e.g. a table of presets): its type and size
+                parts += [f"### {name}", "", f"`{type(obj).__name__}` with {len(obj)} entries.", ""]
+                continue
+            parts += _entry(name, obj, torch_names=False, level="###")
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -15,7 +15,7 @@ What it does, on N processes started through torch's elastic launcher like
    library's sources, each rank on its own batches, with Hugging Face's own loss
    (``model(input_ids=..., labels=...).loss``);
 4. saves a sharded ``torch.distributed.checkpoint`` (DCP) of the model and optimizer with
-   the crash-safe helper of ``examples/checkpointing.py`` (``OUT/checkpoints/step_<k>``);
+   the crash-safe helper ``fully_shard.ckpt.save_checkpoint`` (``OUT/checkpoints/step_<k>``);
 5. exports the full weights as ONE safetensors file: every rank takes part in
    ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
    cpu_offload=True))`` (it all-gathers one tensor at a time), rank 0 receives the full
@@ -115,7 +115,7 @@ def recipe(
 
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
-    from checkpointing import save_checkpoint
+    from fully_shard.ckpt import save_checkpoint
     from train import load_corpus
 
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -358,7 +358,7 @@ def train_meta(step: int, losses: list[float], args: argparse.Namespace, world_s
 
 def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, losses: list[float],
          args: argparse.Namespace, world_size: int, rank: int) -> str:
-    from checkpointing import save_checkpoint  # the crash-safe pattern: step_<k>.tmp, then rename
+    from fully_shard.ckpt import save_checkpoint  # the crash-safe pattern: step_<k>.tmp, then rename
 
     state = checkpoint_state(model, optimizer, step, losses, args, world_size, rank)
     return save_checkpoint(state, args.ckpt_dir, step)
@@ -540,7 +540,7 @@ def run(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device, rank: 
 
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
-    from checkpointing import latest_checkpoint
+    from fully_shard.ckpt import latest_checkpoint
     from model import ModelArgs, Transformer
 
     out = Progress(enabled=rank == 0, want_bar=not args.no_progress)

@@ -258,7 +258,7 @@ def _full_params(model: nn.Module) -> list[torch.Tensor]:
 def _interrupted_save(root: str) -> str:
     import torch.distributed.checkpoint as dcp
 
-    from examples.checkpointing import latest_checkpoint, save_checkpoint
+    from fully_shard.ckpt import latest_checkpoint, save_checkpoint
 
     rank = dist.get_rank()
     mesh = init_device_mesh(device_type(), (dist.get_world_size(),))

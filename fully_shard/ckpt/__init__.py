@@ -1,0 +1,26 @@
+"""Checkpoint helpers for sharded training, built on ``torch.distributed.checkpoint``.
+
+Crash-safe saves (:func:`save_checkpoint`, :class:`CheckpointManager` with an interval,
+keep-latest-k and ``dcp.async_save``), finding the newest complete checkpoint
+(:func:`latest_checkpoint`), and converting a sharded checkpoint into one file
+(:func:`consolidate`, or ``python -m fully_shard.ckpt.convert CKPT OUT``, like
+DeepSpeed's ``zero_to_fp32.py``). Not imported by ``import fully_shard``.
+
+Example::
+
+    >>> from fully_shard.ckpt import CheckpointManager, consolidate
+    >>> manager = CheckpointManager("ckpt", interval=100, keep_latest_k=3)
+    >>> consolidate("ckpt/step_1000", "model.safetensors")  # on one process, no GPU
+"""
+
+from .convert import consolidate, load_consolidated
+from .manager import CheckpointManager, latest_checkpoint, list_checkpoints, save_checkpoint
+
+__all__ = [
+    "CheckpointManager",
+    "consolidate",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_consolidated",
+    "save_checkpoint",
+]
