@@ -31,7 +31,6 @@ Needs ``transformers`` and ``safetensors`` (in the ``test`` extra: ``pip install
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -39,20 +38,9 @@ from typing import Any, Callable
 
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join("outputs", "hf_llama")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+from common import positive_float, positive_int  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,18 +93,25 @@ def recipe(
     export check's results on rank 0 only)."""
     import torch
     import torch.distributed as dist
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
     import transformers
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fully_shard import fully_shard  # torch's FSDP2: from torch.distributed.fsdp import fully_shard
+    from fully_shard import (
+        fully_shard,  # torch's FSDP2: from torch.distributed.fsdp import fully_shard
+    )
 
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
+    from common import load_corpus
+
     from fully_shard.ckpt import save_checkpoint
-    from train import load_corpus
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
@@ -232,7 +227,7 @@ def launch(args: argparse.Namespace) -> int:
     (``torchrun --standalone``), as examples/train.py does."""
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
-    from train import launch_script
+    from common import launch_script
 
     return launch_script(os.path.abspath(__file__), args.nproc, worker_argv(args))
 

@@ -203,7 +203,7 @@ def train(
     the optimizer step). Needs an initialised default process group."""
     import torch.distributed as dist
 
-    from train import load_corpus
+    from common import load_corpus
 
     rank = dist.get_rank()
     corpus = load_corpus(None, max_mb=0.25)
@@ -279,7 +279,7 @@ def main() -> int:
         parser.error(f"--dp-replicate {args.dp_replicate} must divide the world size ({world})")
 
     if "LOCAL_RANK" not in os.environ:
-        from train import launch_script
+        from common import launch_script
 
         argv = [f"--fsdp={args.fsdp}", f"--steps={args.steps}", f"--dp-replicate={args.dp_replicate}",
                 f"--mixed-precision-param={args.mixed_precision_param}", f"--ac={args.ac}",

@@ -50,7 +50,7 @@ def _case_manager(root: str, async_save: bool) -> dict[str, object]:
         loss_fn(model(x), x).backward()
         opt.step()
         opt.zero_grad()
-        path = manager.maybe_save(step, lambda: state(step), force=step == 7)
+        path = manager.maybe_save(step, lambda s=step: state(s), force=step == 7)
         if path is not None:
             returned.append(os.path.basename(path))
             saved_at[step] = [p.full_tensor().clone() for p in model.parameters()]
@@ -99,7 +99,7 @@ def test_manager_interval_keep_latest_and_resume(async_save: bool) -> None:
         out = os.path.join(root, "model.safetensors")
         env = dict(os.environ, PYTHONPATH=ROOT)
         done = subprocess.run([sys.executable, "-m", "fully_shard.ckpt.convert", ckpt, out],
-                              env=env, capture_output=True, text=True, timeout=120)
+                              env=env, capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0, done.stderr
         assert f"{len(full)} tensors" in done.stdout, done.stdout
         from safetensors.torch import load_file
@@ -112,9 +112,8 @@ def test_manager_interval_keep_latest_and_resume(async_save: bool) -> None:
 def test_convert_errors_name_the_fix() -> None:
     from fully_shard.ckpt import load_consolidated
 
-    with tempfile.TemporaryDirectory() as root:
-        with pytest.raises(FileNotFoundError, match="not a complete DCP checkpoint.*latest_checkpoint"):
-            load_consolidated(root)
+    with tempfile.TemporaryDirectory() as root, pytest.raises(FileNotFoundError, match="not a complete DCP.*latest"):
+        load_consolidated(root)
 
 
 def test_manager_rejects_bad_arguments() -> None:

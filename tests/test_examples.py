@@ -1,4 +1,5 @@
-"""The examples run end to end: examples/train.py launches 2 gloo ranks and learns."""
+"""The examples run end to end: examples/train.py launches 2 gloo ranks and learns; its
+TOML job config, its data sampler's state and its learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def test_train_example_runs_and_learns() -> None:
+def test_train_example_runs_and_learns(tmp_path: object) -> None:
     result = _run(
-        ["--nproc", "2", "--steps", "6", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4"],
+        ["--nproc", "2", "--steps", "6", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
+         "--warmup", "2", "--grad-accum", "2", "--no-plot", "--metrics", os.path.join(str(tmp_path), "m.jsonl"),
+         "--profile", os.path.join(str(tmp_path), "prof")],
         timeout=150,
     )
     log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
@@ -49,7 +52,13 @@ def test_train_example_runs_and_learns() -> None:
     final = float(summary.group(1))
     assert final == losses[-1], log
     assert final < losses[0], log
-    assert "parameter bytes per rank" in summary.string[summary.start() :], log
+    assert "parameters + gradients + optimizer state per rank" in summary.string[summary.start() :], log
+    # --profile: a Chrome trace per rank with fully_shard's phase labels in it
+    for rank in range(2):
+        with open(os.path.join(str(tmp_path), "prof", f"rank{rank}.json")) as f:
+            trace = f.read()
+        for phase in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
+            assert f'"fully_shard::{phase}"' in trace, (rank, phase)
 
 
 def test_train_example_with_muon_learns() -> None:
@@ -70,3 +79,64 @@ def test_train_example_rejects_bad_flags() -> None:
     assert result.returncode == 2, result
     assert "--dim (30) must be divisible by --n-heads (4)" in result.stderr, result.stderr
     assert "fully_shard on" not in result.stdout  # no worker was started
+
+
+def _examples() -> None:
+    if os.path.join(ROOT, "examples") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def test_toml_config_sets_flags_and_flags_override_it(tmp_path: object) -> None:
+    _examples()
+    import train
+
+    checked_in = train.parse_args(["--config", os.path.join(ROOT, "examples", "llama_small.toml")])
+    assert (checked_in.steps, checked_in.dim, checked_in.vocab_size) == (120, 128, 1024)
+    config = os.path.join(str(tmp_path), "job.toml")
+    with open(config, "w") as f:
+        f.write('[model]\ndim = 64\nn-heads = 2\n[training]\nsteps = 7\nlr = 1e-3\nactivation_checkpointing = true\n')
+    args = train.parse_args(["--config", config, "--steps", "9"])
+    assert (args.dim, args.n_heads, args.lr, args.activation_checkpointing) == (64, 2, 1e-3, True)
+    assert args.steps == 9  # the flag wins over the file
+    assert "--steps=9" in train.worker_argv(args) and "--activation-checkpointing" in train.worker_argv(args)
+
+    with open(config, "w") as f:
+        f.write("[training]\nstepz = 7\n")
+    result = subprocess.run([sys.executable, TRAIN, "--config", config], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "unknown key 'stepz'" in result.stderr, result.stderr
+    with open(config, "w") as f:
+        f.write('mixed_precision = "fp8"\n')
+    result = subprocess.run([sys.executable, TRAIN, "--config", config], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "mixed_precision = 'fp8' is not one of" in result.stderr, result.stderr
+
+
+def test_sampler_state_resumes_the_exact_batches() -> None:
+    _examples()
+    from common import StatefulBatchSampler
+
+    def take(sampler: StatefulBatchSampler, n: int) -> list[list[int]]:
+        it = iter(sampler)
+        return [next(it) for _ in range(n)]
+
+    whole = [take(StatefulBatchSampler(50, 3, r, 2, seed=1), 20) for r in range(2)]  # 8 per epoch: crosses 2
+    for rank in range(2):
+        first = StatefulBatchSampler(50, 3, rank, 2, seed=1)
+        head = take(first, 11)
+        state = first.state_dict()
+        assert state == {"epoch": 1, "batch": 3}
+        second = StatefulBatchSampler(50, 3, rank, 2, seed=1)
+        second.load_state_dict(state)
+        assert head + take(second, 9) == whole[rank]
+    epoch0 = [i for r in range(2) for b in whole[r][:8] for i in b]
+    assert len(set(epoch0)) == 48  # within an epoch no window is read twice, by any rank
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    _examples()
+    from common import lr_lambda
+
+    f = lr_lambda(warmup=4, total=20, min_ratio=0.1)
+    warm = [f(s) for s in range(5)]
+    assert warm == sorted(warm) and warm[0] > 0 and f(4) == 1.0
+    decay = [f(s) for s in range(4, 21)]
+    assert decay == sorted(decay, reverse=True) and abs(f(20) - 0.1) < 1e-12 and f(100) == f(20)

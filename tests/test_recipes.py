@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -97,7 +98,7 @@ def test_hf_llama_recipe_exports_what_from_pretrained_loads(tmp_path: Any) -> No
 # ---------------------------------------------------------------------------
 
 TINY = ["--nproc", "2", "--n-layers", "2", "--dim", "32", "--n-heads", "2", "--seq-len", "16",
-        "--batch-size", "2", "--log-every", "1", "--exact-loss"]
+        "--batch-size", "2", "--log-every", "1", "--exact-loss", "--vocab-size", "300", "--eval-every", "3"]
 
 
 def _train(args: list[str], timeout: float = 150, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -129,25 +130,41 @@ def test_train_resume_continues_the_loss_curve_bitwise(tmp_path: Any) -> None:
     (no_tqdm / "tqdm" / "__init__.py").write_text("raise ImportError('tqdm hidden by the test')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(no_tqdm), os.environ.get("PYTHONPATH")])))
 
-    full = _train([*TINY, "--steps", "6", "--ckpt-every", "3", "--ckpt-dir", str(tmp_path / "a"), "--no-plot"], env=env)
+    full = _train([*TINY, "--steps", "6", "--ckpt-every", "3", "--ckpt-dir", str(tmp_path / "a"), "--no-plot",
+                   "--metrics", str(tmp_path / "full.jsonl")], env=env)
     assert "tqdm is not installed, printing log lines only" in full.stdout, full.stdout
     assert sorted(os.listdir(tmp_path / "a")) == ["step_3", "step_6"]
 
+    # interrupted after step 3, then resumed: the warmup (10 steps) makes the learning rate
+    # of step 4 depend on the restored schedule, the batches on the restored data position
     b = str(tmp_path / "b")
-    first = _train([*TINY, "--steps", "3", "--ckpt-every", "3", "--ckpt-dir", b, "--no-plot"])
+    first = _train([*TINY, "--steps", "3", "--ckpt-every", "3", "--ckpt-dir", b, "--no-plot",
+                    "--metrics", str(tmp_path / "resumed.jsonl")])
     png = str(tmp_path / "curve.png")
-    resumed = _train([*TINY, "--steps", "6", "--ckpt-every", "3", "--ckpt-dir", b, "--resume", "--plot", png])
-    assert f"resumed from {os.path.join(b, 'step_3')}: step 3" in resumed.stdout, resumed.stdout
+    resumed = _train([*TINY, "--steps", "6", "--ckpt-every", "3", "--ckpt-dir", b, "--resume", "--plot", png,
+                      "--metrics", str(tmp_path / "resumed.jsonl")])
+    assert (f"resumed from {os.path.join(b, 'step_3')}: step 3, model, optimizer, schedule, RNG and data "
+            "position (epoch 0, batch 3) restored") in resumed.stdout, resumed.stdout
 
     expected = _losses(full.stdout)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6], full.stdout
     assert all(len(v) > 8 for v in expected.values()), expected  # full precision, not 4 decimals
     assert _losses(first.stdout) == {k: expected[k] for k in (1, 2, 3)}, first.stdout
+    # the same arithmetic on the same data in the same order: bitwise equal on any machine
     assert _losses(resumed.stdout) == {k: expected[k] for k in (4, 5, 6)}, resumed.stdout
     assert re.search(rf"^summary: final loss {re.escape(expected[6])} \(first {re.escape(expected[1])}\)",
                      resumed.stdout, re.M), resumed.stdout
-    assert "memory per rank: parameters + gradients + AdamW state" in resumed.stdout
+    assert "parameters + gradients + optimizer state per rank" in resumed.stdout
     assert sorted(os.listdir(b)) == ["step_3", "step_6"]
+
+    # the JSONL metrics: one line per step, the resumed run appending to the first's
+    rows = [json.loads(line) for line in open(tmp_path / "full.jsonl")]
+    again = [json.loads(line) for line in open(tmp_path / "resumed.jsonl")]
+    assert [r["step"] for r in rows] == [r["step"] for r in again] == [1, 2, 3, 4, 5, 6]
+    for r, q in zip(rows, again):
+        assert (r["loss"], r["lr"], r.get("eval_loss")) == (q["loss"], q["lr"], q.get("eval_loss")), (r, q)
+        assert {"tokens_per_s", "tflops_per_device", "state_bytes"} <= set(r), r
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
     try:
         import matplotlib  # noqa: F401  (the optional 'plot' extra)
     except ImportError:
@@ -166,6 +183,8 @@ def test_train_resume_continues_the_loss_curve_bitwise(tmp_path: Any) -> None:
         (["--ckpt-every", "5"], "--ckpt-every needs --ckpt-dir"),
         (["--mixed-precision", "fp16"], "invalid choice: 'fp16'"),
         (["--ckpt-every", "0", "--ckpt-dir", "x"], "must be a positive integer"),
+        (["--ckpt-keep", "2"], "--ckpt-keep needs --ckpt-dir"),
+        (["--config", "examples/nope.toml"], "--config 'examples/nope.toml': "),
     ],
 )
 def test_train_rejects_bad_new_flags(args: list[str], message: str) -> None:

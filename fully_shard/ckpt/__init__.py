@@ -14,7 +14,12 @@ Example::
 """
 
 from .convert import consolidate, load_consolidated
-from .manager import CheckpointManager, latest_checkpoint, list_checkpoints, save_checkpoint
+from .manager import (
+    CheckpointManager,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+)
 
 __all__ = [
     "CheckpointManager",

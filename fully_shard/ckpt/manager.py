@@ -48,15 +48,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageWriter
 
-__all__ = ["CheckpointManager", "save_checkpoint", "latest_checkpoint", "list_checkpoints"]
+__all__ = ["CheckpointManager", "latest_checkpoint", "list_checkpoints", "save_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _METADATA = ".metadata"  # written last by DCP's FileSystemWriter, by the coordinator
