@@ -136,7 +136,11 @@ def load_corpus(path: str | None, max_mb: float = DEFAULT_CORPUS_MB) -> torch.Te
 def train_tokenizer(text: str, vocab_size: int) -> Any:
     """A byte-level BPE tokenizer trained on ``text`` with Hugging Face ``tokenizers``
     (offline, deterministic: the same text gives the same merges)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as e:
+        raise ImportError("the BPE tokenizer needs the 'tokenizers' package: pip install -e '.[examples]', "
+                          "or run with --tokenizer bytes") from e
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -39,6 +39,15 @@ def _trace(png_dir: str) -> tuple[str, dict, dict, list]:
     rows = trace.rows()
     path = os.path.join(png_dir, f"comm-rank{dist.get_rank()}.png")
     trace.save_timeline(path)
+    # the legend sits beside the axis: it can cover no bar, whatever the bars' extent
+    fig = trace.timeline_figure()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend, axis = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 > axis.x1, (legend, axis)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     kinds = {}
     for r in rows:
         kinds[(r["phase"], r["kind"])] = kinds.get((r["phase"], r["kind"]), 0) + 1

@@ -75,6 +75,24 @@ class CommTrace:
         """Save a PNG timeline (one row per group, forward and backward coloured apart).
 
         Needs matplotlib: ``pip install "fully-shard[plot]"``.
+
+        Example::
+
+            >>> trace.save_timeline("comm.png", title="step 1, rank 0")
+        """
+        import matplotlib.pyplot as plt
+
+        fig = self.timeline_figure(title)
+        fig.savefig(path, bbox_inches="tight")  # bbox_inches: keep the outside legend in the picture
+        plt.close(fig)
+
+    def timeline_figure(self, title: str | None = None) -> Any:
+        """The matplotlib ``Figure`` that :meth:`save_timeline` saves: bars per group on
+        one axis, the legend to the right of the axis, where it can never cover a bar.
+
+        Example::
+
+            >>> fig = trace.timeline_figure(); fig.savefig("comm.svg")
         """
         try:
             import matplotlib
@@ -95,11 +113,12 @@ class CommTrace:
         ax.set_yticks(range(len(groups)), groups)
         ax.set_xlabel("ms since trace start (hatched: backward)")
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-        ax.legend(handles, list(colours), loc="lower right", fontsize="small")
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="//"))
+        ax.legend(handles, [*colours, "backward"], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  borderaxespad=0.0, fontsize="small")
         ax.set_title(title or "fully_shard collectives")
         fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
+        return fig
 
 
 def trace_comm() -> CommTrace:
