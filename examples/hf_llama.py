@@ -6,12 +6,19 @@
 What it does, on N processes started through torch's elastic launcher like
 ``examples/train.py`` (or under ``torchrun``):
 
-1. builds a tiny ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (nothing is
-   downloaded: random weights from the same seed on every rank);
+0. takes a pretrained checkpoint directory (``--pretrained DIR``: ``config.json`` and
+   ``model.safetensors``, as ``save_pretrained`` writes them); without one, rank 0 writes
+   a tiny random stand-in to ``OUT/pretrained`` (nothing is downloaded);
+1. builds ``transformers.LlamaForCausalLM`` from the config alone on the ``meta`` device
+   (no memory, no initialisation);
 2. shards it the FSDP2 way: ``fully_shard`` on each decoder layer
    (``model.model.layers[i]``), then on the root, which takes the embeddings, the final
-   norm and ``lm_head``;
-3. trains a few AdamW steps on byte-level tokens (vocabulary 256) of the Python standard
+   norm and ``lm_head``; ``to_empty`` gives each rank storage for its shards only, the
+   rotary buffers are computed, and rank 0 reads ``model.safetensors`` and
+   ``fully_shard.broadcast_full_state_dict`` sends one tensor at a time, each rank
+   keeping its shard; then checks the sharded model's logits against the unsharded
+   pretrained model's;
+3. fine-tunes a few AdamW steps on byte-level tokens (vocabulary 256) of the Python standard
    library's sources, each rank on its own batches, with Hugging Face's own loss
    (``model(input_ids=..., labels=...).loss``);
 4. saves a sharded ``torch.distributed.checkpoint`` (DCP) of the model and optimizer with
@@ -54,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps")
     parser.add_argument("--out-dir", default=DEFAULT_OUT, metavar="DIR",
                         help="DIR/checkpoints: the DCP checkpoint; DIR/hf: config.json and model.safetensors")
+    parser.add_argument("--pretrained", default=None, metavar="DIR",
+                        help="a save_pretrained directory (config.json, model.safetensors) to fine-tune; "
+                             "default: a random stand-in written to OUT/pretrained (the size flags below)")
     parser.add_argument("--hidden-size", type=positive_int, default=64)
     parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads")
@@ -67,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--hidden-size ({args.hidden_size}) / --heads ({args.heads}) must be an even integer")
     if args.heads % args.kv_heads != 0:
         parser.error(f"--heads ({args.heads}) must be divisible by --kv-heads ({args.kv_heads})")
+    if args.pretrained is not None and not os.path.isfile(os.path.join(args.pretrained, "config.json")):
+        parser.error(f"--pretrained {args.pretrained!r} has no config.json (a save_pretrained directory)")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         parser.error(f"--out-dir {args.out_dir!r} exists and is not a directory")
     return args
@@ -87,14 +99,19 @@ def recipe(
     batch_size: int = 4,
     lr: float = 3e-3,
     seed: int = 0,
+    pretrained: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Build, shard, train, checkpoint, export and check; returns what happened (the
-    export check's results on rank 0 only)."""
+    """Load a pretrained checkpoint into a sharded model, fine-tune, checkpoint, export and
+    check; returns what happened (the checks' results on rank 0 only).
+
+    ``pretrained``: a directory with ``config.json`` and ``model.safetensors`` (what
+    ``save_pretrained`` writes); None: rank 0 first writes a random stand-in of the given
+    size to ``out_dir/pretrained`` (nothing is downloaded)."""
     import torch
     import torch.distributed as dist
     import transformers
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -103,9 +120,9 @@ def recipe(
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fully_shard import (
-        fully_shard,  # torch's FSDP2: from torch.distributed.fsdp import fully_shard
-    )
+    # torch's FSDP2: fully_shard from torch.distributed.fsdp, and set_model_state_dict with
+    # StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) for the loading
+    from fully_shard import broadcast_full_state_dict, fully_shard
 
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
@@ -119,33 +136,55 @@ def recipe(
         if rank == 0 and log is not None:
             log(msg)
 
-    # 1. a tiny Llama, the same random weights on every rank
-    config = LlamaConfig(
-        vocab_size=256,  # bytes
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 8 // 3 // 8 * 8,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["LlamaForCausalLM"]  # so that AutoModelForCausalLM finds the class too
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    # 0. the "pretrained" checkpoint; here a random stand-in, written once by rank 0
+    if pretrained is None:
+        pretrained = os.path.join(out_dir, "pretrained")
+        if rank == 0:
+            write_stand_in(pretrained, hidden_size, layers, heads, kv_heads, seq_len, seed)
+        dist.barrier()
+
+    # 1. the model from its config alone, on the meta device: no memory, no init
+    config = LlamaConfig.from_pretrained(pretrained)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
 
-    # 2. the FSDP2 recipe: one group per decoder layer, the root takes the rest
+    # 2. the FSDP2 recipe: one group per decoder layer, the root takes the rest; then
+    # storage for this rank's shards only, and the weights: rank 0 reads the file, every
+    # tensor is broadcast in turn and each rank keeps its shard
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    rope = model.model.rotary_emb  # non-persistent buffers are in no checkpoint: compute them
+    inv_freq, _ = rope.compute_default_rope_parameters(config)
+    rope.inv_freq.copy_(inv_freq)
+    rope.original_inv_freq.copy_(inv_freq)
+    full = load_file(os.path.join(pretrained, "model.safetensors")) if rank == 0 else None
+    broadcast_full_state_dict(model, full)
+    del full
+    # the load check: the sharded model computes what the unsharded pretrained model does
+    corpus = load_corpus(None, max_mb=0.25)
+    probe = corpus[:seq_len].unsqueeze(0)
+    model.eval()
+    with torch.no_grad():
+        loaded_logits = model(input_ids=probe).logits
+    model.reshard()  # no backward follows this forward: free the root's gathered parameters
+    loaded: dict[str, Any] = {}
+    if rank == 0:
+        transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
+        original = LlamaForCausalLM.from_pretrained(pretrained, dtype=torch.float32).eval()
+        with torch.no_grad():
+            original_logits = original(input_ids=probe).logits
+        loaded = {"loaded_equal": bool(torch.equal(original_logits, loaded_logits)),
+                  "loaded_max_abs_diff": float((original_logits - loaded_logits).abs().max())}
+        del original
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    say(f"LlamaForCausalLM, {n_params:,} parameters, {layers} layers, hidden size {hidden_size}: "
-        f"fully_shard on {world_size} ranks")
+    say(f"LlamaForCausalLM from {pretrained}: {n_params:,} parameters, {config.num_hidden_layers} layers, "
+        f"built on meta, fully_shard on {world_size} ranks, weights broadcast from rank 0")
 
     # 3. train
-    corpus = load_corpus(None, max_mb=0.25)
     losses: list[float] = []
     model.train()
     start = time.perf_counter()
@@ -173,7 +212,6 @@ def recipe(
 
     # the logits of the trained sharded model on a fixed input: every rank runs the forward
     # (the all-gathers need them all) and gets the same logits
-    probe = corpus[:seq_len].unsqueeze(0)
     model.eval()
     with torch.no_grad():
         sharded_logits = model(input_ids=probe).logits
@@ -183,7 +221,7 @@ def recipe(
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     export_dir = os.path.join(out_dir, "hf")
     result: dict[str, Any] = {"losses": losses, "checkpoint": ckpt, "export_dir": export_dir,
-                              "train_s": train_s, "n_params": n_params}
+                              "train_s": train_s, "n_params": n_params, **loaded}
     if rank == 0:
         os.makedirs(export_dir, exist_ok=True)
         model.config.save_pretrained(export_dir)
@@ -208,6 +246,28 @@ def recipe(
     return result
 
 
+def write_stand_in(path: str, hidden_size: int, layers: int, heads: int, kv_heads: int, seq_len: int,
+                   seed: int) -> None:
+    """A tiny random ``LlamaForCausalLM`` saved with ``save_pretrained`` (config.json and
+    model.safetensors): the stand-in for a downloaded checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,  # bytes
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 8 // 3 // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["LlamaForCausalLM"]  # so that AutoModelForCausalLM finds the class too
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+
+
 # -- launching ------------------------------------------------------------------------
 
 
@@ -219,6 +279,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         f"--hidden-size={args.hidden_size}", f"--layers={args.layers}", f"--heads={args.heads}",
         f"--kv-heads={args.kv_heads}", f"--seq-len={args.seq_len}", f"--batch-size={args.batch_size}",
         f"--lr={args.lr!r}", f"--seed={args.seed}",
+        *([f"--pretrained={os.path.abspath(args.pretrained)}"] if args.pretrained else []),
     ]
 
 
@@ -240,7 +301,7 @@ def worker(args: argparse.Namespace) -> int:
         result = recipe(
             args.out_dir, steps=args.steps, hidden_size=args.hidden_size, layers=args.layers,
             heads=args.heads, kv_heads=args.kv_heads, seq_len=args.seq_len, batch_size=args.batch_size,
-            lr=args.lr, seed=args.seed, log=lambda msg: print(msg, flush=True),
+            lr=args.lr, seed=args.seed, pretrained=args.pretrained, log=lambda msg: print(msg, flush=True),
         )
     finally:
         dist.destroy_process_group()

@@ -137,8 +137,7 @@ def run(args: argparse.Namespace) -> None:
         tokens, vocab = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).long(), 256
     split = int(len(tokens) * 0.95)
     train_set, eval_set = WindowDataset(tokens[:split], args.seq_len), WindowDataset(tokens[split:], args.seq_len)
-    sampler = StatefulBatchSampler(len(train_set), args.batch_size, rank, world, args.seed)
-    batches = iter(DataLoader(train_set, batch_sampler=sampler, num_workers=0))  # type: ignore[arg-type]
+    sampler = StatefulBatchSampler(len(train_set), args.batch_size, rank, world, args.seed)  # -> a DataLoader below
 
     # 2. model: the same init on every rank, then (AC, compile,) fully_shard per block, then the root
     torch.manual_seed(args.seed)
@@ -189,22 +188,25 @@ def run(args: argparse.Namespace) -> None:
         saved = meta["train"]
         wrong = [f"--{k.replace('_', '-')} {saved['flags'][k]!r} (now {getattr(args, k)!r})"
                  for k in MODEL_FLAGS if saved["flags"][k] != getattr(args, k)]
-        if saved["world_size"] != world:
-            wrong.append(f"world size {saved['world_size']} (now {world})")
         if wrong:  # exit 2, like a bad flag
             if rank == 0:
-                print(f"train.py: error: {path} was saved with other settings: {', '.join(wrong)}; resume with "
-                      "the ones it was saved with, or use another --ckpt-dir", file=sys.stderr, flush=True)
+                print(f"train.py: error: {path} was saved with other shapes: {', '.join(wrong)}; resume with "
+                      "the flags it was saved with, or use another --ckpt-dir", file=sys.stderr, flush=True)
             raise SystemExit(2)
+        if saved["world_size"] != world:  # DCP reshards the state; the old ranks' RNG keys are not ours
+            del template[f"rng_rank{rank}"]
+            log(f"note: saved on {saved['world_size']} ranks, resumed on {world}: weights, optimizer and schedule "
+                "continue, but the data order and RNG differ from the uninterrupted run")
         manager.load_latest(template)
         set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"])
         scheduler.load_state_dict(template["sched"])  # type: ignore[arg-type]
         sampler.load_state_dict(template["data"])  # type: ignore[arg-type]
-        torch.set_rng_state(template[f"rng_rank{rank}"])  # type: ignore[arg-type]
+        if f"rng_rank{rank}" in template:
+            torch.set_rng_state(template[f"rng_rank{rank}"])  # type: ignore[arg-type]
         start, losses, evals = int(saved["step"]), [float(x) for x in saved["losses"]], [tuple(e) for e in saved["evals"]]
-        batches = iter(DataLoader(train_set, batch_sampler=sampler, num_workers=0))  # type: ignore[arg-type]
         log(f"resumed from {path}: step {start}, model, optimizer, schedule, RNG and data position "
             f"(epoch {sampler.epoch}, batch {sampler.batch}) restored")
+    batches = iter(DataLoader(train_set, batch_sampler=sampler, num_workers=0))  # type: ignore[arg-type]
 
     # 4. the training loop
     tokens_per_step = args.batch_size * args.seq_len * world * args.grad_accum
@@ -256,15 +258,13 @@ def run(args: argparse.Namespace) -> None:
                 f"state {fmt_bytes(mem)}" + (f" | max allocated {fmt_bytes(row['max_memory_allocated'])}"
                                              if "max_memory_allocated" in row else "") + extra)
         if manager is not None and manager.maybe_save(step, lambda s=step: state(s), force=step == args.steps):
-            log(f"checkpoint: {os.path.join(args.ckpt_dir, f'step_{step}')}"
-                + (" (writing in the background)" if args.ckpt_async else ""))
+            log(f"checkpoint: {args.ckpt_dir}/step_{step}" + (" (writing in the background)" if args.ckpt_async else ""))
     if prof is not None:
         prof.stop()
         log(f"profile: {args.profile}/rank<r>.json (open in https://ui.perfetto.dev or chrome://tracing)")
-    if manager is not None:
-        manager.close()
-    out.close()
-    metrics.close()
+    for closing in (manager, out, metrics):  # the manager waits for an asynchronous save
+        if closing is not None:
+            closing.close()
     if start >= args.steps:
         log(f"nothing to do: the checkpoint is at step {start}, and --steps is {args.steps}")
         return

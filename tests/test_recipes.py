@@ -74,17 +74,27 @@ def test_torchtitan_parallelize_same_losses_as_torch(kwargs: dict[str, Any]) -> 
 # ---------------------------------------------------------------------------
 
 
-def _hf_recipe(out_dir: str, steps: int) -> dict[str, Any]:
+def _hf_recipe(out_dir: str, steps: int, pretrained: str) -> dict[str, Any]:
     from examples.hf_llama import recipe
 
-    return recipe(out_dir, steps=steps, seq_len=32)
+    return recipe(out_dir, steps=steps, seq_len=32, pretrained=pretrained)
 
 
-def test_hf_llama_recipe_exports_what_from_pretrained_loads(tmp_path: Any) -> None:
+def test_hf_llama_recipe_loads_finetunes_and_exports(tmp_path: Any) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    results = run_distributed(_hf_recipe, 2, str(tmp_path), 3, timeout=300)
+    from examples.hf_llama import write_stand_in
+
+    # the "pretrained" checkpoint, made here: save_pretrained of a random tiny Llama
+    pretrained = str(tmp_path / "pretrained")
+    write_stand_in(pretrained, hidden_size=64, layers=2, heads=4, kv_heads=2, seq_len=32, seed=7)
+    assert sorted(os.listdir(pretrained)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+    results = run_distributed(_hf_recipe, 2, str(tmp_path / "out"), 3, pretrained, timeout=300)
     r0 = results[0]
+    # built on meta, sharded, loaded from the file on rank 0 and broadcast: the sharded model
+    # gathers the same bytes and runs the same CPU kernels as the unsharded one, so bitwise
+    assert r0["loaded_equal"], f"after loading: max |diff| {r0['loaded_max_abs_diff']}"
     assert r0["losses"] == results[1]["losses"]  # the mean over ranks, the same on both
     assert len(r0["losses"]) == 3 and r0["losses"][-1] < r0["losses"][0]
     assert os.path.isfile(os.path.join(r0["checkpoint"], ".metadata"))  # a complete DCP checkpoint
