@@ -151,6 +151,22 @@ def train_tokenizer(text: str, vocab_size: int) -> Any:
     return tok
 
 
+def tokenize(text: str, kind: str, vocab_size: int) -> tuple[torch.Tensor, int]:
+    """``text`` as int64 tokens and the vocabulary size: ``kind`` "bpe", a tokenizer that
+    rank 0 trains (:func:`train_tokenizer`) and sends to the other ranks, so every rank
+    encodes with the same merges; or "bytes" (vocabulary 256). Call on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    if kind == "bytes":
+        return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).long(), 256
+    box = [train_tokenizer(text, vocab_size).to_str() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    from tokenizers import Tokenizer
+
+    return torch.tensor(Tokenizer.from_str(box[0]).encode(text).ids, dtype=torch.long), vocab_size
+
+
 class WindowDataset:
     """Non-overlapping ``seq_len + 1`` windows of a 1-D token tensor: (inputs, targets)."""
 

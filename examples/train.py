@@ -28,7 +28,7 @@ sys.path.insert(0, EXAMPLES)
 from common import (  # the helpers the examples share (examples/ is on sys.path just above)
     Metrics, Progress, StatefulBatchSampler, WindowDataset, eval_loss, flops_per_token, fmt_bytes,
     launch_script, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops, positive_int,
-    save_loss_curve, start_profiler, train_tokenizer, training_state_bytes,
+    save_loss_curve, start_profiler, tokenize, training_state_bytes,
 )
 
 MODEL_FLAGS = ("dim", "n_layers", "n_heads", "seq_len", "tokenizer", "vocab_size")  # shapes a checkpoint fixes
@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--dim", type=positive_int, default=128, help="model width")
     a("--n-layers", type=positive_int, default=4, help="transformer blocks")
     a("--n-heads", type=positive_int, default=4, help="attention heads")
-    a("--lr", type=non_negative_float, default=3e-3, help="AdamW peak learning rate")
+    a("--lr", type=non_negative_float, default=3e-3, help="peak learning rate")
+    a("--optimizer", choices=("adamw", "muon"), default="adamw", help="muon: fully_shard.optim.MuonAdamW, Muon on "
+      "the block matrices and AdamW on the rest, both at --lr (Muon's update scaled to AdamW's RMS)")
     a("--warmup", type=int, default=10, help="linear warmup steps, then cosine decay to lr/10")
     a("--max-norm", type=non_negative_float, default=1.0, help="clip the gradient norm (0: off)")
     a("--seed", type=int, default=0, help="seeds the model init and the data order")
@@ -110,6 +112,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from model import ModelArgs, Transformer
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.data import DataLoader
@@ -124,17 +127,8 @@ def run(args: argparse.Namespace) -> None:
     out = Progress(enabled=rank == 0, want_bar=not args.no_progress)
     log = out.log
 
-    # 1. data: rank 0 trains the tokenizer and sends it to the others (same bytes everywhere)
-    text = load_text(args.data)
-    if args.tokenizer == "bpe":
-        box = [train_tokenizer(text, args.vocab_size).to_str() if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        from tokenizers import Tokenizer
-
-        tokens = torch.tensor(Tokenizer.from_str(box[0]).encode(text).ids, dtype=torch.long)
-        vocab = args.vocab_size
-    else:
-        tokens, vocab = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).long(), 256
+    # 1. data: BPE (rank 0 trains it, the others receive it) or bytes; 5% held out for eval
+    tokens, vocab = tokenize(load_text(args.data), args.tokenizer, args.vocab_size)
     split = int(len(tokens) * 0.95)
     train_set, eval_set = WindowDataset(tokens[:split], args.seq_len), WindowDataset(tokens[split:], args.seq_len)
     sampler = StatefulBatchSampler(len(train_set), args.batch_size, rank, world, args.seed)  # -> a DataLoader below
@@ -150,18 +144,21 @@ def run(args: argparse.Namespace) -> None:
           if args.mixed_precision == "bf16" else MixedPrecisionPolicy())
     for i, block in enumerate(model.layers):
         if args.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                checkpoint_wrapper,
-            )
-
             block = model.layers[i] = checkpoint_wrapper(block)
         if args.compile:
             block.compile()  # in place: parameter names and state-dict keys unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if args.optimizer == "muon":  # each block matrix orthogonalized once, on its owner rank
+        from fully_shard.optim import MuonAdamW, muon_param_groups
+
+        optimizer = MuonAdamW(muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
+                              adamw_lr=args.lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
     log(f"fully_shard on {world} ranks ({dist.get_backend()}, {device.type}) | {n_params:,} parameters, "
+        f"optimizer {type(optimizer).__name__}, "
         f"{args.n_layers} blocks, dim {args.dim} | mesh {tuple(mesh.shape)} | data: {len(tokens):,} tokens "
         f"({args.tokenizer}, vocabulary {vocab}), {len(train_set):,} train / {len(eval_set):,} eval windows")
     if out.note:

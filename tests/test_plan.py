@@ -309,3 +309,28 @@ def test_plan_accepts_models_and_checks_arguments() -> None:
     assert offload.sharded_param_bytes == shard_bytes
     assert offload.host_bytes == 4 * shard_bytes  # params + grads + 2 AdamW states, all on the host
     assert offload.device_state_bytes == offload.buffer_bytes  # only buffers stay on the device
+
+
+def test_cli_takes_a_hugging_face_config_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    # Llama 3.1 8B's published shapes, as its config.json spells them
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["--mesh", "64", "--param-dtype", "bf16", "--json"]
+    assert cli_main(["--model", str(path), *argv]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    assert cli_main(["--model", "llama3-8b", *argv]) == 0
+    from_preset = json.loads(capsys.readouterr().out)
+    for key in ("model", "label", "name"):  # the label names the source, nothing else may differ
+        from_config.pop(key, None)
+        from_preset.pop(key, None)
+    assert from_config == from_preset
+
+    cfg["tie_word_embeddings"] = True
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--model", str(path), "--mesh", "8"])
+    assert exit_info.value.code == 2
+    assert "tie_word_embeddings is true" in capsys.readouterr().err

@@ -37,9 +37,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-rank memory and communication of training a model under fully_shard, "
         "computed from parameter shapes (the model is built on the meta device).",
     )
-    p.add_argument("--model", required=True, metavar="NAME|MODULE:CONSTRUCTOR",
-                   help=f"a preset ({', '.join(llama.PRESETS)}) or package.module:Constructor "
-                   "(called with no arguments under torch.device('meta'))")
+    p.add_argument("--model", required=True, metavar="NAME|MODULE:CONSTRUCTOR|CONFIG.json",
+                   help=f"a preset ({', '.join(llama.PRESETS)}), package.module:Constructor "
+                   "(called with no arguments under torch.device('meta')), or a Hugging Face Llama-style "
+                   "config.json")
     p.add_argument("--mesh", required=True, metavar="N|R,N",
                    help="shard size N (FSDP), or R,N for HSDP (R replicas of an N-way shard)")
     p.add_argument("--param-dtype", metavar="DTYPE", help="MixedPrecisionPolicy.param_dtype (bf16, fp16, fp32, ...)")
@@ -102,8 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dtype = _dtype(parser, "--model-dtype", args.model_dtype)
     reshard = _reshard(parser, args.reshard_after_forward)
     try:
-        model, label = load_model(args.model)
-    except ValueError as e:
+        if args.model.endswith(".json"):  # a Hugging Face config.json: its shapes, as our Llama
+            with torch.device("meta"):
+                model, label = llama.Llama(llama.args_from_hf_config(args.model)), args.model
+        else:
+            model, label = load_model(args.model)
+    except (ValueError, OSError) as e:
         parser.error(f"--model: {e}")
     if model_dtype is not None:
         model = model.to(model_dtype)

@@ -128,6 +128,33 @@ def preset(name: str) -> Llama:
     return Llama(PRESETS[name])
 
 
+def args_from_hf_config(path: str) -> LlamaArgs:
+    """The shapes of a Hugging Face Llama-family ``config.json`` (``hidden_size``,
+    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``intermediate_size``, ``vocab_size``), read with ``json``: no ``transformers`` needed.
+
+    Example::
+
+        >>> with torch.device("meta"):
+        ...     model = Llama(args_from_hf_config("Llama-3.1-8B/config.json"))
+    """
+    import json
+
+    with open(path) as f:
+        cfg = json.load(f)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [k for k in keys if k not in cfg]
+    if missing:
+        raise ValueError(f"{path}: not a Llama-style Hugging Face config.json (no {', '.join(missing)})")
+    if cfg.get("tie_word_embeddings"):
+        raise ValueError(f"{path}: tie_word_embeddings is true; the planner's Llama has an untied output "
+                         "(pass your own constructor as MODULE:CONSTRUCTOR instead)")
+    return LlamaArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                     n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                     vocab_size=cfg["vocab_size"], ffn_dim=cfg["intermediate_size"],
+                     norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta", 500000.0))
+
+
 def llama3_8b() -> Llama:
     return preset("llama3-8b")
 
