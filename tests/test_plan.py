@@ -334,3 +334,25 @@ def test_cli_takes_a_hugging_face_config_json(tmp_path: Any, capsys: pytest.Capt
         cli_main(["--model", str(path), "--mesh", "8"])
     assert exit_info.value.code == 2
     assert "tie_word_embeddings is true" in capsys.readouterr().err
+
+
+def test_memory_over_the_step_peaks_at_the_plans_peak(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    p = plan("llama3-8b", 64, mp_policy=mp)
+    totals = [sum(row[1:]) for row in p.memory_trace]
+    # the trace is the replay's own bookkeeping: its largest total is the reported peak
+    assert max(totals) == p.peak_bytes
+    assert p.memory_trace[totals.index(max(totals))][0] == p.peak_at
+    assert all(b >= 0 for row in p.memory_trace for b in row[1:])
+
+    from fully_shard.tools import memory_figure
+
+    fig = memory_figure(p)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert ax.get_legend().get_window_extent().x0 > ax.get_window_extent().x1  # beside the axis, over no area
+    png = tmp_path / "mem.png"
+    assert cli_main(["--model", "llama3-8b", "--mesh", "64", "--plot", str(png)]) == 0
+    assert f"memory over the step: {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,7 @@ from .clip import clip_grad_norm_
 from .debug import CollectiveMismatchError, debug_collectives
 from .llama import PRESETS, Llama, LlamaArgs
 from .plan import GroupPlan, Plan, plan, shard_layout
+from .plan_plot import memory_figure, save_memory_plot
 from .trace import CommTrace, trace_comm
 from .wrap import apply_fully_shard
 
@@ -20,6 +21,8 @@ __all__ = [
     "Plan",
     "GroupPlan",
     "shard_layout",
+    "memory_figure",
+    "save_memory_plot",
     "Llama",
     "LlamaArgs",
     "PRESETS",

@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=accelerator_type(), choices=[accelerator_type(), "cpu"],
                    help=f"{accelerator_type()}: any device with streams (default); cpu: a CPU (gloo) mesh")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.add_argument("--plot", metavar="PNG", help="also draw device memory over the step into this file "
+                   "(needs matplotlib)")
     return p
 
 
@@ -132,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     print(result.to_json() if args.json else result)
+    if args.plot:
+        from .plan_plot import save_memory_plot
+
+        print(f"memory over the step: {save_memory_plot(result, args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

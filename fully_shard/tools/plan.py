@@ -141,6 +141,9 @@ class Plan:
     all_reduce_bytes: int
     send_bytes: int  # bytes this rank sends per step with ring algorithms
     notes: list[str] = field(default_factory=list)
+    # device bytes over the replayed step, after every allocation and free:
+    # [phase, sharded state, unsharded params, unsharded grads, optimizer temporaries]
+    memory_trace: list[list[Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -399,6 +402,12 @@ class _Timeline:
         self.peak_at = "start of step"
         self.kind_peak = {k: 0 for k in self.KINDS}
         self.where = ""
+        # after every allocation and free: [phase, sharded state, params, grads, optimizer temps]
+        self.trace: list[list[Any]] = []
+
+    def _record(self) -> None:
+        k = self.by_kind
+        self.trace.append([self.where, self.base + k["state"], k["param"], k["grad"], k["optim"]])
 
     def alloc(self, kind: str, what: str, node: str, nbytes: int) -> None:
         if nbytes <= 0:
@@ -410,6 +419,7 @@ class _Timeline:
         total = self.base + sum(self.by_kind.values())
         if total > self.peak:
             self.peak, self.peak_at = total, self.where
+        self._record()
 
     def free(self, kind: str, what: str, node: str, nbytes: int | None = None) -> None:
         key = (kind, what, node)
@@ -421,6 +431,7 @@ class _Timeline:
                 self.live[key] = have - n
             else:
                 del self.live[key]
+            self._record()
 
 
 class _Replay:
@@ -752,6 +763,7 @@ def plan(
         all_reduce_bytes=ar,
         send_bytes=send,
         notes=notes,
+        memory_trace=timeline.trace,
     )
 
 
