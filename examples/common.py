@@ -43,6 +43,19 @@ def launch_script(script: str, nproc: int, argv: list[str]) -> int:
     return 0
 
 
+def leave_worker(code: int) -> None:
+    """End a CPU (gloo) worker after ``destroy_process_group`` without interpreter shutdown.
+
+    A gloo thread frees a finished collective a moment after ``wait()`` returned; when that
+    moment falls inside Python's shutdown the process dies with ``terminate called without
+    an active exception`` after all its work is done (torch, not fully_shard; seen on loaded
+    machines). Leaving through ``os._exit`` skips that shutdown. NCCL runs are unaffected.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:

@@ -47,7 +47,7 @@ EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join("outputs", "hf_llama")
 if EXAMPLES not in sys.path:
     sys.path.insert(0, EXAMPLES)
-from common import positive_float, positive_int  # noqa: E402
+from common import leave_worker, positive_float, positive_int  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -305,10 +305,12 @@ def worker(args: argparse.Namespace) -> int:
         )
     finally:
         dist.destroy_process_group()
+    code = 0
     if result.get("logits_equal") is False and result["max_abs_diff"] > 1e-5:
         print("error: the exported model's logits differ from the sharded model's", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    leave_worker(code)  # gloo: no interpreter shutdown after collectives (see common.py)
+    return code
 
 
 def main() -> int:

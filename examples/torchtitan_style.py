@@ -301,6 +301,9 @@ def main() -> int:
                   + " ".join(f"{x:.4f}" for x in losses), flush=True)
     finally:
         dist.destroy_process_group()
+    from common import leave_worker
+
+    leave_worker(0)  # gloo: no interpreter shutdown after collectives (see common.py)
     return 0
 
 

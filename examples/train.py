@@ -27,7 +27,7 @@ EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, EXAMPLES)
 from common import (  # the helpers the examples share (examples/ is on sys.path just above)
     Metrics, Progress, StatefulBatchSampler, WindowDataset, eval_loss, flops_per_token, fmt_bytes,
-    launch_script, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops, positive_int,
+    launch_script, leave_worker, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops, positive_int,
     save_loss_curve, start_profiler, tokenize, training_state_bytes,
 )
 
@@ -289,6 +289,7 @@ def main() -> int:
         dist.barrier()  # rank 0 may still be writing the plot
     finally:
         dist.destroy_process_group()
+    leave_worker(0)  # gloo: no interpreter shutdown after collectives (see common.py)
     return 0
 
 
