@@ -6,6 +6,7 @@ Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
 """
 
 from .api import FSDPModule, ShardPlacementResult, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .comm import CollectiveError, CollectiveMismatchError
 from .init import broadcast_full_state_dict, materialize
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .tools.clip import clip_grad_norm_
@@ -27,6 +28,9 @@ __all__ = [
     "broadcast_full_state_dict",
     "plan",
     "clip_grad_norm_",
+    # exceptions to catch
+    "CollectiveError",
+    "CollectiveMismatchError",
 ]
 
 __version__ = "0.1.0"
