@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor, Shard
 
 from .group import GroupState, ParamGroup
-from .mesh import mesh_info_for, post_forward_info
+from .mesh import mesh_info_for, post_forward_info, resolve_reshard_after_forward
 from .param import ShardedParam
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, FSDPState, state_of
@@ -48,6 +48,15 @@ class ShardPlacementResult:
 
     placement: Shard | None
     mesh_info: Any
+
+
+class ShardedUsageError(ValueError, AssertionError):
+    """A misuse of ``fully_shard`` (e.g. applying it twice to one module) that torch's FSDP2
+    reports with ``AssertionError``: an instance of both, so either ``except`` catches it."""
+
+
+class ShardedDeepcopyError(RuntimeError, AssertionError):
+    """``copy.deepcopy`` of a sharded module; torch's FSDP2 raises ``AssertionError`` there."""
 
 
 class _Owner:
@@ -117,11 +126,11 @@ def fully_shard(
             mesh over the default process group on the current accelerator (CPU if none).
         reshard_after_forward: ``True`` frees the full parameters after forward (gathered
             again in backward); ``False`` keeps them until after backward (no backward
-            all-gather, more memory). An int ``k`` (a divisor of the shard size other than
-            1 and itself, e.g. ranks per node) keeps each parameter sharded over ``k``
-            consecutive ranks after forward, so the backward all-gather runs within them at
-            the cost of ``k/N`` of the parameters more memory. ``None``: ``True`` except for
-            the root.
+            all-gather, more memory). An int ``k`` (a divisor of the shard size ``N``, e.g.
+            ranks per node) keeps each parameter sharded over ``k`` consecutive ranks after
+            forward, so the backward all-gather runs within them at the cost of ``k/N`` of
+            the parameters more memory; as in torch, ``k == N`` means ``True`` and ``k == 1``
+            means ``False`` (with a warning). ``None``: ``True`` except for the root.
         shard_placement_fn: called with each parameter; returns ``Shard(dim)`` to shard it
             on ``dim`` (which the shard size must divide evenly when ``dim != 0``) or
             ``None`` for the default ``Shard(0)``.
@@ -165,6 +174,7 @@ def fully_shard(
     if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
     post_forward = None
     if type(reshard_after_forward) is int:
         if dp_mesh_dims is not None:
@@ -175,8 +185,9 @@ def fully_shard(
     _check_ignored(modules, ignored)
     label = ", ".join(type(m).__name__ for m in modules)
 
-    for key in [k for k, owner in _OWNERS.items() if owner.sharded() is None]:
-        del _OWNERS[key]  # models that are gone
+    for key, owner in list(_OWNERS.items()):  # a copy: rank threads may share this table
+        if owner.sharded() is None:
+            _OWNERS.pop(key, None)  # models that are gone
     found = _collect_params(modules, ignored)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = offload and offload_policy.pin_memory  # type: ignore[attr-defined]
@@ -320,7 +331,7 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
                 "as a list: fully_shard(list(container))"
             )
         if getattr(m, STATE_ATTR, None) is not None:
-            raise ValueError(
+            raise ShardedUsageError(
                 f"fully_shard was already called on this {type(m).__name__}; call it once per module"
             )
     return modules
@@ -420,7 +431,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 def _no_deepcopy(self: nn.Module, memo: Any) -> Any:
-    raise RuntimeError(
+    raise ShardedDeepcopyError(
         f"copy.deepcopy is not supported on {type(self).__name__}, a module sharded by "
         "fully_shard: its parameters alternate between sharded DTensors and views of "
         "communication buffers. Deep-copy the model before calling fully_shard, or build a "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -72,35 +74,63 @@ class PostForwardInfo:
     rank: int  # this rank's index among the k
 
 
-_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], int], PostForwardInfo] = {}
+# (this rank, the mesh's ranks, k) -> (the default group they were made under, this rank's
+# k-rank group). The rank is part of the key because ranks may be threads of one process
+# (torch's threaded process group) sharing this module; the default group is kept to tell
+# groups of a destroyed and re-initialised world from live ones.
+_POST_FORWARD_GROUPS: dict[tuple[int, tuple[int, ...], int], tuple[Any, PostForwardInfo]] = {}
+
+
+def resolve_reshard_after_forward(value: bool | int | None, n: int) -> bool | int | None:
+    """An int ``reshard_after_forward`` as torch reads it: ``k`` must divide the shard group
+    size ``n``; ``n`` means True (reshard to the whole group), 1 means False (keep the full
+    parameters, with a warning, as 1 reads like True); anything else stays ``k``."""
+    if type(value) is not int:
+        return value
+    if not (1 <= value <= n and n % value == 0):
+        raise ValueError(
+            f"reshard_after_forward={value} must be a divisor of the shard group size {n} "
+            f"(e.g. the number of ranks per node; {n} means True, 1 means False); or pass True or False"
+        )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) reshards to groups of 1 rank, which keeps the full "
+            "parameters after forward like reshard_after_forward=False; pass True to free them",
+            stacklevel=3,
+        )
+        return False
+    if value == n:
+        return True
+    return value
 
 
 def post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
-    """Validate ``k`` and return this rank's k-rank group (created once per mesh and k).
+    """Return this rank's k-rank group for ``reshard_after_forward=k`` (a divisor of the
+    shard group size other than 1 and itself: ``resolve_reshard_after_forward`` first),
+    created once per mesh and k.
 
     Every rank creates every group, in the same order, as ``new_group`` requires.
     """
     n = info.shard_size
-    if not (1 < k < n and n % k == 0):
-        raise ValueError(
-            f"reshard_after_forward={k} must be a divisor of the shard group size {n} other "
-            f"than 1 and {n} (e.g. the number of ranks per node); use True or False otherwise"
-        )
+    assert 1 < k < n and n % k == 0, f"reshard_after_forward={k} was not resolved for {n} ranks"
     # the shard dim is the last mesh dim: each row is one shard group's global ranks
     rows = info.mesh.mesh.reshape(-1, n).tolist()
-    key = (tuple(int(r) for row in rows for r in row), k)
-    if key not in _POST_FORWARD_GROUPS:
-        me = dist.get_rank()
-        mine: PostForwardInfo | None = None
-        for row in rows:
-            for start in range(0, n, k):
-                members = row[start : start + k]
-                group = dist.new_group(members)
-                if me in members:
-                    mine = PostForwardInfo(group, k, members.index(me))
-        assert mine is not None, f"rank {me} is not in the mesh {rows}"
-        _POST_FORWARD_GROUPS[key] = mine
-    return _POST_FORWARD_GROUPS[key]
+    me = dist.get_rank()
+    key = (me, tuple(int(r) for row in rows for r in row), k)
+    world = dist.group.WORLD
+    cached = _POST_FORWARD_GROUPS.get(key)
+    if cached is not None and cached[0] is world:
+        return cached[1]
+    mine: PostForwardInfo | None = None
+    for row in rows:
+        for start in range(0, n, k):
+            members = row[start : start + k]
+            group = dist.new_group(members)
+            if me in members:
+                mine = PostForwardInfo(group, k, members.index(me))
+    assert mine is not None, f"rank {me} is not in the mesh {rows}"
+    _POST_FORWARD_GROUPS[key] = (world, mine)
+    return mine
 
 
 def mesh_info_for(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None = None) -> MeshInfo:

@@ -380,6 +380,7 @@ def test_cast_to_float64_after_fully_shard() -> None:
 
 def test_deepcopy_of_sharded_model() -> None:
     _expect_error(_case_deepcopy, RuntimeError, "deepcopy", "before calling fully_shard")
+    _expect_error(_case_deepcopy, AssertionError, "deepcopy")  # torch FSDP2's type, too
 
 
 def test_deepcopy_of_model_with_sharded_blocks() -> None:
@@ -388,6 +389,7 @@ def test_deepcopy_of_model_with_sharded_blocks() -> None:
 
 def test_fully_shard_twice_on_one_module() -> None:
     _expect_error(_case_fully_shard_twice, ValueError, "already", "once")
+    _expect_error(_case_fully_shard_twice, AssertionError, "already")  # torch FSDP2's type, too
 
 
 def test_top_down_application_says_bottom_up() -> None:

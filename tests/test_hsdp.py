@@ -191,7 +191,7 @@ def _bad_k(k: int) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("k", [3, 4, 1])
+@pytest.mark.parametrize("k", [3, 8])
 def test_bad_reshard_after_forward_int(k: int) -> None:
     message = run_distributed(_bad_k, 4, k)[0]
     assert f"reshard_after_forward={k} must be a divisor of the shard group size 4" in message

@@ -636,11 +636,14 @@ def plan(
         raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
-    if type(reshard_after_forward) is int and not (1 < reshard_after_forward < shard and shard % reshard_after_forward == 0):
-        raise ValueError(
-            f"reshard_after_forward={reshard_after_forward} must be a divisor of the shard size "
-            f"{shard} other than 1 and {shard}; use True or False otherwise"
-        )
+    if type(reshard_after_forward) is int:
+        if not (1 <= reshard_after_forward <= shard and shard % reshard_after_forward == 0):
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward} must be a divisor of the shard size "
+                f"{shard} ({shard} means True, 1 means False); or pass True or False"
+            )
+        if reshard_after_forward in (1, shard):  # as fully_shard reads them
+            reshard_after_forward = reshard_after_forward != 1
     notes: list[str] = []
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     on_device = not offload or device_type == "cpu"  # where the sharded state lives

@@ -1,0 +1,83 @@
+"""fully_shard on torch's threaded process group: every rank a thread of one process.
+
+The ranks share the module-level state of ``fully_shard`` (one import for all threads), so
+this is where process-global state keyed only by the mesh would hand one rank another's
+groups and hang. Runs on torch's multi-thread test case (``torch.testing._internal``), the
+one test here that depends on it: our own harness spawns processes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
+from torch.testing._internal.common_utils import run_tests
+
+from fully_shard import FSDPModule, fully_shard
+
+WORLD = 4
+
+
+def _mlp() -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    g = torch.Generator().manual_seed(0)  # the global RNG is shared by the rank threads
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+class ThreadedFullyShardTest(MultiThreadedTestCase):
+    @property
+    def world_size(self) -> int:
+        return WORLD
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_threads()
+
+    def _check(self, nested: bool, reshard_between: bool) -> None:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for reshard in (True, False, 2, None):
+            what = f"reshard_after_forward={reshard}, reshard() between: {reshard_between}"
+            ref = _mlp()
+            model = copy.deepcopy(ref)
+            if nested:
+                for layer in (model[0], model[2]):
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(self.rank))
+            out = model(x)
+            ref_out = ref(x)
+            # same parameters and input on this rank: the same arithmetic by construction
+            self.assertTrue(torch.equal(out, ref_out), what)
+            if reshard_between:
+                for m in model.modules():
+                    if isinstance(m, FSDPModule):
+                        m.reshard()
+                for p in model.parameters():
+                    self.assertIsInstance(p, DTensor, what)
+            out.sum().backward()
+            ref_out.sum().backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                dist.all_reduce(q.grad, op=dist.ReduceOp.AVG)
+                # an average over 4 ranks, reduced in another order than the reference's
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-6, msg=what)
+
+    def test_root_only(self) -> None:
+        self._check(nested=False, reshard_between=True)
+
+    def test_nested(self) -> None:
+        self._check(nested=True, reshard_between=True)
+
+    def test_nested_backward_after_forward(self) -> None:
+        self._check(nested=True, reshard_between=False)
+
+
+if __name__ == "__main__":
+    run_tests()
