@@ -239,6 +239,10 @@ class ParamGroup:
             p.refresh_after_apply()
         self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
 
+    def has_unsharded_grads(self) -> bool:
+        """Whether a backward left gradients on the full parameters that no reduction took."""
+        return any(p.unsharded_grad is not None for p in self.params)
+
     @property
     def is_unsharded(self) -> bool:
         """Whether full parameters are (or are being) materialised."""

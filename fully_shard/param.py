@@ -210,11 +210,11 @@ class ShardedParam:
         local = self.local_part(full).to(device=self.local_shard.device, dtype=self.dtype)
         return self.to_sharded_dtensor(local.contiguous())
 
-    def adopt(self, param: DTensor) -> None:
-        """``load_state_dict(assign=True)`` registered ``param``: make it the sharded one."""
+    def adopt(self, param: DTensor, what: str = "load_state_dict(assign=True)") -> None:
+        """``what`` (``load_state_dict(assign=True)``) registered ``param``: make it the sharded one."""
         if param.placements != self._spec.placements or param.shape != self.sharded_param.shape:
             raise ValueError(
-                f"load_state_dict(assign=True): {self.fqn!r} got a DTensor with placements "
+                f"{what}: {self.fqn!r} got a DTensor with placements "
                 f"{param.placements} and shape {tuple(param.shape)}; fully_shard laid it out as "
                 f"{self._spec.placements} with shape {tuple(self.sharded_param.shape)}"
             )
@@ -223,6 +223,29 @@ class ShardedParam:
         self.sharded_param = param
         self.register(unsharded=False)
         self.refresh_after_apply()
+
+    def pick_up_replacement(self, managed: set[int]) -> None:
+        """Shard a parameter the user registered in place of the sharded one before the first
+        forward (e.g. ``model.w = nn.Parameter(f(a.weight, b.weight))`` once ``a`` and ``b``
+        are materialised), as torch's FSDP2 does at lazy init: a DTensor laid out like the
+        parameter is taken as is, a full tensor of its shape is cut to this rank's part."""
+        module, name = self.uses[0]
+        current = module._parameters.get(name)
+        if current is None or current is self.sharded_param:
+            return
+        if id(current) in managed:
+            return  # another sharded parameter (a tie made after sharding): refused later
+        if not isinstance(current, DTensor):
+            if current.shape != self.size or self.tp_spec is not None:
+                raise ValueError(
+                    f"parameter {self.fqn!r} was replaced after fully_shard by a tensor of shape "
+                    f"{tuple(current.shape)}; fully_shard sharded it with shape {tuple(self.size)}. "
+                    "Replace it with a tensor of the same shape (full, or a DTensor laid out as "
+                    "the other sharded parameters), or call fully_shard after replacing it"
+                )
+            local = self.local_part(current.detach()).to(device=self.shard_device, dtype=self.dtype)
+            current = nn.Parameter(self.to_sharded_dtensor(local.contiguous()), requires_grad=current.requires_grad)
+        self.adopt(current, "replacing a sharded parameter before the first forward")  # type: ignore[arg-type]
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
         """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter."""

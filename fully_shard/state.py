@@ -111,6 +111,7 @@ class FSDPState:
         self.shared_streams: Streams | None = None  # share_comm_ctx
         self.fqn: str | None = None  # of its module in the root, once lazy init knows it ("": the root)
         self.ignored_params: set[nn.Parameter] = set()  # the call's ignored_params
+        self.to_run: set[nn.Module] = set()  # members yet to run in the open forward pass
         self._register_hooks()
 
     def _name(self) -> str:
@@ -123,32 +124,63 @@ class FSDPState:
     # -- hooks -----------------------------------------------------------------------
 
     def _register_hooks(self) -> None:
-        """Forward hooks on the module(s); a multi-module group runs its pre-forward when
-        the first of them starts and its post-forward when the last of them ends."""
+        """Forward hooks on the module(s).
+
+        A multi-module group opens a *pass* when the first of its members starts forward
+        (``pre_forward``: unshard, prefetch, hook the inputs) and closes it when every member
+        has run (``post_forward``). A member that runs while the pass is open only gets its
+        inputs cast and the group gathered (the chunked-loss pattern calls ``head`` once per
+        chunk); a member that ends without closing the pass only gets its output cast. A
+        pass that some member never joins (the model's forward skips ``head``) is closed by
+        the root's post-forward (``_complete_open_passes``), and passes opened by members
+        called outside the root's forward are closed at the end of backward.
+        """
         if len(self.modules) == 1:
             module = self.modules[0]
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward_hook, prepend=False)
             return
-        to_run: set[nn.Module] = set()
 
         @_not_traced
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            if not to_run:
-                to_run.update(self.modules)
-                return self._pre_forward_hook(module, args, kwargs)
-            return None
+            if self.training_state is TrainingState.FORWARD:
+                return self._member_pre_forward(args, kwargs)
+            if self.training_state is not TrainingState.PRE_BACKWARD:  # not a recomputation
+                self.to_run = set(self.modules)
+            return self._pre_forward_hook(module, args, kwargs)
 
         @_not_traced
         def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
-            to_run.discard(module)
-            if not to_run:
+            if module in self.to_run:
+                self.to_run.discard(module)
+                if not self.to_run:
+                    return self._post_forward_hook(module, args, output)
+            elif self.training_state is TrainingState.PRE_BACKWARD:
                 return self._post_forward_hook(module, args, output)
-            return None
+            if torch.is_grad_enabled() and self.group is not None:
+                # the pass stays open, so these outputs get no pre-backward hook; should the
+                # group be resharded before their backward (an explicit reshard()), gather it
+                # again rather than let backward read freed storage
+                _map_tensors(self._hook_regather, output)
+            return self._cast_output(output)
 
         for module in self.modules:
             module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_hook, prepend=False)
+
+    def _member_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Another member of a group whose pass is open: the group is gathered (a reshard
+        in between, e.g. an explicit ``reshard()``, gathers it again) and its inputs cast."""
+        with record_function("fully_shard::pre_forward"):
+            if self.group is not None:
+                self.group.unshard()
+            return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        mp = self.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            return _map_tensors(_floating_cast(mp.param_dtype), (args, kwargs))
+        return args, kwargs
 
     @_not_traced
     def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -193,9 +225,13 @@ class FSDPState:
                 state.group.label = prefix or f"{type(self.modules[0]).__name__.removeprefix('FSDP')} (root)"
                 for p in state.group.params:
                     p.fqn = f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn
+        # a parameter another group manages is not a replacement to pick up but a tie made
+        # after sharding, refused by _check_registered_params
+        managed = {id(q.sharded_param) for s in states if s.group is not None for q in s.group.params}
         for state in states:
             if state.group is not None:
                 for p in state.group.params:
+                    p.pick_up_replacement(managed)
                     p.check_materialized()
         self._check_enclosing_model()
 
@@ -254,9 +290,7 @@ class FSDPState:
         ctx = self.ctx
         assert ctx is not None
         with record_function("fully_shard::pre_forward"):
-            mp = self.mp_policy
-            if mp.cast_forward_inputs and mp.param_dtype is not None:
-                args, kwargs = _map_tensors(_floating_cast(mp.param_dtype), (args, kwargs))
+            args, kwargs = self._cast_inputs(args, kwargs)
             if self.training_state is TrainingState.PRE_BACKWARD:
                 # activation checkpointing recomputes forward inside backward: the group is
                 # (or gets) unsharded, and no forward bookkeeping or hooks apply
@@ -289,14 +323,14 @@ class FSDPState:
             if self.group is not None and self.reshard_after_forward:
                 self.group.reshard(post_forward=type(self.reshard_after_forward) is int)
             self.training_state = TrainingState.IDLE
-            output = self._cast_output(output)
+            self.to_run.clear()
             if torch.is_grad_enabled():
                 self._post_forward_index = len(ctx.post_forward_order)
                 ctx.post_forward_order.append(self)
                 output = self._hook_outputs(output)
             if self.is_root:
-                self._root_post_forward()
-        return output
+                output = self._root_post_forward(output)
+        return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
@@ -342,14 +376,30 @@ class FSDPState:
             "be in one fully_shard call, e.g. on their common parent)."
         )
 
-    def _root_post_forward(self) -> None:
-        """Reshard groups prefetched for a module that did not run this time."""
+    def _root_post_forward(self, output: Any) -> Any:
+        """Close the passes of groups some member of which did not run, then reshard groups
+        prefetched for a module that did not run this time."""
         ctx = self.ctx
         assert ctx is not None
+        output = self._complete_open_passes(output)
         ran = {id(s) for s in ctx.forward_order}
         for state in ctx.states:
             if state.group is not None and state.group.is_unsharded and id(state) not in ran:
                 state.group.reshard()
+        return output
+
+    def _complete_open_passes(self, output: Any) -> Any:
+        """A group whose forward pass is still open when the root's forward ends has a member
+        the model's forward skipped (called later on its own, or not at all): finish its
+        post-forward now, as if it ended with the root. Its backward then starts when the
+        root's output gets its gradient (innermost groups first, as nested post-forwards
+        would have run)."""
+        ctx = self.ctx
+        assert ctx is not None
+        for state in reversed(ctx.states):
+            if state is not self and state.to_run and state.training_state is TrainingState.FORWARD:
+                output = state.post_forward(output)
+        return output
 
     def _forward_prefetch_targets(self) -> list[FSDPState]:
         if self.forward_prefetch is not None:
@@ -434,13 +484,18 @@ class FSDPState:
         assert ctx is not None
         with record_function("fully_shard::finalize_backward"):
             for state in ctx.states:
-                if state.group is not None and state.group.needs_post_backward:
-                    state.post_backward()  # e.g. inputs needed no gradient, or params unused
+                group = state.group
+                if group is not None and (group.needs_post_backward or group.has_unsharded_grads()):
+                    # inputs needed no gradient, or params unused; or gradients that arrived
+                    # after this group's post-backward ran: a backward over part of the graph
+                    # (a chunked loss) settles every group, then a later one reaches it
+                    state.post_backward()
             if ctx.is_last_backward:
                 with torch.no_grad():
                     ctx.finish_reduce()
             for state in ctx.states:
                 state.training_state = TrainingState.IDLE
+                state.to_run.clear()  # passes opened by members called on their own
                 group = state.group
                 if group is not None and group.state is not GroupState.SHARDED and group.reshard_after_backward:
                     group.reshard()  # prefetched but never used, or kept after forward for a backward that never came
@@ -461,6 +516,7 @@ class FSDPState:
         ctx.pending_reduce = None  # its peers may have failed: never wait on it
         for state in ctx.states:
             state.training_state = TrainingState.IDLE
+            state.to_run.clear()
             if state.group is not None:
                 state.group.reset()
         ctx.forward_order = []
@@ -490,6 +546,16 @@ class FSDPState:
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.pre_backward()
+
+    def _hook_regather(self, t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            t.register_hook(self._regather_hook)
+        return t
+
+    def _regather_hook(self, grad: torch.Tensor) -> None:
+        assert self.group is not None
+        self._queue_final_callback()
+        self.group.unshard()
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
