@@ -179,7 +179,7 @@ class FSDPState:
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
-            return _map_tensors(_floating_cast(mp.param_dtype), (args, kwargs))
+            args, kwargs = _map_tensors(_floating_cast(mp.param_dtype), (args, kwargs))
         return args, kwargs
 
     @_not_traced
