@@ -177,7 +177,7 @@ def _chunked_sweep(programs: list[str], combos: list[tuple[bool, Any, str, bool]
             tol = 1e-6 if mp == "none" else 2e-2
             for fqn, p in named["ours"].items():
                 a, b, r = _full(p.grad), _full(named["torch"][fqn].grad), named["ref"][fqn].grad
-                if not torch.equal(a, b):
+                if not torch.equal(a, b):  # same ops in the same order as torch FSDP2 (docstring)
                     problems.append(f"{what}, step {step}: grad of {fqn} differs from torch FSDP2 by {(a - b).abs().max():.3g}")
                 if not torch.allclose(a, r, rtol=tol, atol=tol):
                     problems.append(f"{what}, step {step}: grad of {fqn} differs from the unsharded model by {(a - r).abs().max():.3g}")
@@ -185,7 +185,7 @@ def _chunked_sweep(programs: list[str], combos: list[tuple[bool, Any, str, bool]
                 opt.step()
                 opt.zero_grad()
         for fqn, p in ours.named_parameters():
-            if not torch.equal(_full(p), _full(dict(theirs.named_parameters())[fqn])):
+            if not torch.equal(_full(p), _full(dict(theirs.named_parameters())[fqn])):  # as the grads
                 problems.append(f"{what}: parameter {fqn} differs from torch FSDP2 after {steps} steps")
     return problems
 
