@@ -231,8 +231,8 @@ class ShardedParam:
         parameter is taken as is, a full tensor of its shape is cut to this rank's part."""
         module, name = self.uses[0]
         current = module._parameters.get(name)
-        if current is None or current is self.sharded_param:
-            return
+        if current is None or current is self.sharded_param or current is self.unsharded_param:
+            return  # not replaced (unsharded: an explicit unshard() before the first forward)
         if id(current) in managed:
             return  # another sharded parameter (a tie made after sharding): refused later
         if not isinstance(current, DTensor):
