@@ -235,14 +235,12 @@ class ShardedParam:
             return  # not replaced (unsharded: an explicit unshard() before the first forward)
         if id(current) in managed:
             return  # another sharded parameter (a tie made after sharding): refused later
+        fits = current.shape == self.size and (
+            current.placements == self._spec.placements if isinstance(current, DTensor) else self.tp_spec is None
+        )
+        if not fits:
+            return  # refused, naming it, by the root's check of the registered parameters
         if not isinstance(current, DTensor):
-            if current.shape != self.size or self.tp_spec is not None:
-                raise ValueError(
-                    f"parameter {self.fqn!r} was replaced after fully_shard by a tensor of shape "
-                    f"{tuple(current.shape)}; fully_shard sharded it with shape {tuple(self.size)}. "
-                    "Replace it with a tensor of the same shape (full, or a DTensor laid out as "
-                    "the other sharded parameters), or call fully_shard after replacing it"
-                )
             local = self.local_part(current.detach()).to(device=self.shard_device, dtype=self.dtype)
             current = nn.Parameter(self.to_sharded_dtensor(local.contiguous()), requires_grad=current.requires_grad)
         self.adopt(current, "replacing a sharded parameter before the first forward")  # type: ignore[arg-type]
