@@ -117,7 +117,16 @@ def fully_shard(
     backward needs them first.
 
     Args:
-        module: a module, or a list of modules that form one group together.
+        module: a module, or a list of modules that form one group together. The group
+            is gathered when the first member starts forward and resharded when every
+            member has run; each member's inputs are cast by ``mp_policy``. A member the
+            model's forward skips (the chunked-loss pattern: ``fully_shard([model.norm,
+            model.output])``, the forward returns the normed hidden states, and the loss
+            calls ``model.output`` once per chunk) works as in torch: the group's forward
+            ends with the root's, its backward starts when the root's output gets its
+            gradient, and the skipped member may be called on its own afterwards, any
+            number of times, with ``set_requires_gradient_sync`` / ``set_is_last_backward``
+            accumulation and one backward per chunk.
         mesh: the data-parallel :class:`DeviceMesh`. 1-D: FSDP, parameters ``Shard(0)``
             over it. 2-D, read as (replicate, shard): HSDP, parameters
             ``(Replicate(), Shard(0))``; gradients are reduce-scattered within the shard dim
