@@ -164,7 +164,10 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
     """``dp_mesh_dims``: the data-parallel sub-mesh of a full SPMD mesh, remembering where its
     dims sit in the full mesh (the sharded DTensors live on the full mesh)."""
     if not isinstance(dims, DataParallelMeshDims):
-        raise ValueError(f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+        if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+            raise ValueError(f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+        # torch's own DataParallelMeshDims (the same two fields), as torchtitan passes it
+        dims = DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError("dp_mesh_dims names mesh dims, but this mesh has no mesh_dim_names: build it with init_device_mesh(..., mesh_dim_names=...)")

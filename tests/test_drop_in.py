@@ -375,13 +375,15 @@ class SpmdMLP(nn.Module):
         return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, self.w1)), self.w2)
 
 
-def _spmd(use_torch: bool) -> list[Any]:
+def _spmd(use_torch: bool, torch_dims: bool = False) -> list[Any]:
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDims, fully_shard as torch_fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     from fully_shard import DataParallelMeshDims, fully_shard
 
     shard, dims = (torch_fully_shard, TorchDims) if use_torch else (fully_shard, DataParallelMeshDims)
+    if torch_dims:
+        dims = TorchDims  # torch's own class passed to ours, as torchtitan does
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     model = SpmdMLP(mesh)
     for p in model.parameters():
@@ -405,6 +407,9 @@ def _spmd(use_torch: bool) -> list[Any]:
 def test_dp_mesh_dims_matches_torch_fsdp2() -> None:
     ours = run_distributed(_spmd, 4, False)
     theirs = run_distributed(_spmd, 4, True)
+    # torch's DataParallelMeshDims is accepted by ours and means the same (bitwise: same program)
+    for a, c in zip(ours, run_distributed(_spmd, 4, False, True)):
+        assert a[0] == c[0] and a[2] == c[2] and all(torch.equal(p, q) for p, q in zip(a[1], c[1]))
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         # the same placements on the full mesh: (Shard(0) on dp, TP's on tp)
         assert a[2] == b[2], f"rank {rank}: placements {a[2]} != torch's {b[2]}"

@@ -9,13 +9,12 @@ torchtitan imports torch's FSDP2 by name, so the run on ours patches those names
 for the duration of the call. CPU workarounds, as torchtitan's trainer assumes a GPU: its
 triton kernels module is stubbed (the expert-parallel path, unused here), its device type is
 set to ``cpu``, and each block's inner attention is torchtitan's ``ScaledDotProductAttention``
-(FlexAttention needs compiled kernels). ``spmd_backend="partial_dtensor"``: the default passes
-``dp_mesh_dims``, which fully_shard does not take yet.
+(FlexAttention needs compiled kernels). ``spmd_backend="partial_dtensor"``: the default
+passes ``dp_mesh_dims`` with parameters that are still plain tensors, which fully_shard's
+``dp_mesh_dims`` refuses today (torch's FSDP2 takes them).
 
-Skipped unless torchtitan 0.3.0 and the small packages its imports need (``spmd_types``,
-``tyro``, ``einops``) are installed: ``pip install torchtitan==0.3.0 --no-deps spmd_types tyro
-einops`` (its declared dependencies pull wandb, tensorboard and datasets, which it does not
-import here).
+torchtitan 0.3.0 is part of the ``test`` extra (with its declared dependencies, as a user
+installs it); without it the test is skipped, naming the install command.
 
 Oracles: the unsharded model (see the test for tolerances), and torch's FSDP2 in the same
 program, bitwise on 2 ranks (fp32; the same layout and
@@ -36,7 +35,7 @@ import torch
 from tests.harness import run_distributed
 
 for _name in ("torchtitan", "spmd_types", "tyro", "einops"):
-    pytest.importorskip(_name, reason="torchtitan 0.3.0 client test: pip install torchtitan==0.3.0 --no-deps spmd_types tyro einops")
+    pytest.importorskip(_name, reason="torchtitan 0.3.0 client test: pip install -e '.[test]' (or torchtitan==0.3.0)")
 
 SEQ_LEN = 64  # divisible by the wrapper's 8 chunks
 
