@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, overload
@@ -13,12 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
-from .group import GroupState, ParamGroup
-from .mesh import mesh_info_for, post_forward_info, resolve_reshard_after_forward
-from .param import ShardedParam
+from .group import ParamGroup
+from .mesh import mesh_info_for, resolve_reshard_after_forward, separate_group
+from .param import OWNER_ATTR, ShardedParam
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, FSDPState, state_of
 from .streams import Streams
@@ -60,29 +59,38 @@ class ShardedDeepcopyError(RuntimeError, AssertionError):
 
 
 class _Owner:
-    """Which fully_shard call sharded a parameter: to tell a later call that reaches the same
-    parameter whether it runs top-down or ties parameters across groups."""
+    """Which fully_shard call sharded a parameter, kept on the original and the sharded
+    parameter (``OWNER_ATTR``): tells a later call that reaches the same parameter whether
+    it runs top-down or ties parameters across groups."""
 
-    def __init__(self, sharded: ShardedParam, original: torch.Tensor, modules: tuple[nn.Module, ...], label: str) -> None:
-        self.fqn = sharded.local_fqn
-        self.sharded = weakref.ref(sharded)
-        self.original = weakref.ref(original)
-        self.modules = [weakref.ref(m) for m in modules]
+    def __init__(self, fqn: str, modules: tuple[nn.Module, ...], label: str) -> None:
+        self.fqn = fqn  # relative to ``modules``
+        self.modules = modules
         self.label = label
 
-    def owns(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is the original or the sharded parameter (ids alone can be reused)."""
-        sharded = self.sharded()
-        return p is self.original() or (sharded is not None and p is sharded.sharded_param)
-
     def encloses(self, module: nn.Module) -> bool:
-        return any(m() is not None and any(sub is module for sub in m().modules()) for m in self.modules)  # type: ignore[union-attr]
+        return any(sub is module for m in self.modules for sub in m.modules())
 
 
-# id(parameter) -> its owner, for originals and sharded parameters alike. Weak references
-# only: a tensor with a weak reference cannot be swapped by Module._apply (to_empty, to()).
-_OWNERS: dict[int, _Owner] = {}
-_FSDP_CLASSES: dict[type, type] = {}
+class _ReplacedParameter(nn.Parameter):
+    """A parameter fully_shard replaced by a sharded one (its class is swapped to this).
+
+    Reading its ``.grad`` (an optimizer's step or ``zero_grad``) raises: an optimizer built
+    before fully_shard holds it and would update a tensor the model no longer uses.
+    """
+
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        owner: _Owner = self.__dict__[OWNER_ATTR]
+        frame = sys._getframe(1)
+        while frame is not None and not isinstance(frame.f_locals.get("self"), torch.optim.Optimizer):
+            frame = frame.f_back  # type: ignore[assignment]
+        who = type(frame.f_locals["self"]).__name__ if frame is not None else "This code"
+        raise RuntimeError(
+            f"{who} holds parameter {owner.fqn!r} of {owner.label} as it was before fully_shard "
+            "replaced it with a sharded DTensor: this step would update a tensor the model no "
+            "longer uses. Build the optimizer after fully_shard, from model.parameters()."
+        )
 
 
 @overload
@@ -183,20 +191,12 @@ def fully_shard(
     if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
-    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
-    post_forward = None
-    if type(reshard_after_forward) is int:
-        if dp_mesh_dims is not None:
-            raise NotImplementedError("reshard_after_forward=<int> is not supported with dp_mesh_dims; pass True or False")
-        post_forward = post_forward_info(mesh_info, reshard_after_forward)
+    reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info)
     device = mesh_info.device
     ignored = set(ignored_params or ())
     _check_ignored(modules, ignored)
     label = ", ".join(type(m).__name__ for m in modules)
 
-    for key, owner in list(_OWNERS.items()):  # a copy: rank threads may share this table
-        if owner.sharded() is None:
-            _OWNERS.pop(key, None)  # models that are gone
     found = _collect_params(modules, ignored)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = offload and offload_policy.pin_memory  # type: ignore[attr-defined]
@@ -206,101 +206,27 @@ def fully_shard(
     ]
     _move_buffers(modules, device)
     for original, sp in zip(found, sharded):
-        owner = _Owner(sp, original, modules, label)
-        _OWNERS[id(original)] = _OWNERS[id(sp.sharded_param)] = owner
+        sp.set_owner(_Owner(sp.local_fqn, modules, label))
+        original.__dict__[OWNER_ATTR] = sp.owner
+        if type(original) is nn.Parameter:
+            original.__class__ = _ReplacedParameter
         sp.register(unsharded=False)
-    _install_optimizer_check()
     if post_forward is not None and any(sp.extension for sp in sharded):
         raise NotImplementedError(
             f"fully_shard({label}): reshard_after_forward=<int> is not supported for tensor-subclass "
             f"parameters that all-gather themselves ({next(sp.local_fqn for sp in sharded if sp.extension)!r}); pass True or False"
         )
-    group = ParamGroup(sharded, mesh_info, device, label, post_forward) if sharded else None
-    state = FSDPState(modules, group, device, reshard_after_forward, mp_policy)
-    state.ignored_params = ignored
+    group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
+    state = FSDPState(modules, group, device, reshard, post_forward, mp_policy, ignored)
+    for m in modules:
+        for sub in m.modules():
+            inner = getattr(sub, STATE_ATTR, None)
+            if inner is not None and inner.enclosing is None:
+                inner.enclosing = state  # the nearest enclosing call: names in messages before lazy init
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
-    if group is not None:
-        _register_state_dict_hooks(group)
     return module
-
-
-_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_optimizer_hook: Any = None
-
-
-def _install_optimizer_check() -> None:
-    """Once: before each optimizer's first step, refuse parameters fully_shard replaced."""
-    global _optimizer_hook
-    if _optimizer_hook is None:
-        _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer in _checked_optimizers:
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            owner = _OWNERS.get(id(p))
-            if owner is not None and p is owner.original():
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds parameter {owner.fqn!r} of {owner.label} as "
-                    "it was before fully_shard replaced it with a sharded DTensor: this step would "
-                    "update a tensor the model no longer uses. Build the optimizer after "
-                    "fully_shard, from model.parameters()."
-                )
-    _checked_optimizers.add(optimizer)
-
-
-def _register_state_dict_hooks(group: ParamGroup) -> None:
-    """``load_state_dict`` of full tensors, and ``assign=True``, for sharded parameters.
-
-    Before loading, a full (plain) tensor under a sharded parameter's key becomes this
-    rank's shard; after an ``assign=True`` load, the newly assigned DTensor parameter
-    becomes the group's sharded parameter.
-    """
-    by_module: dict[int, tuple[nn.Module, dict[str, ShardedParam]]] = {}
-    for sp in group.params:
-        for m, name in sp.uses:
-            by_module.setdefault(id(m), (m, {}))[1][name] = sp
-    for module, params in by_module.values():
-
-        def pre_hook(m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params) -> None:
-            for name, sp in params.items():
-                key = prefix + name
-                value = state_dict.get(key)
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    state_dict[key] = sp.full_to_sharded(value, key)
-
-        def post_hook(m: nn.Module, incompatible: Any, params: dict[str, ShardedParam] = params) -> None:
-            for name, sp in params.items():
-                current = m._parameters.get(name)
-                if current is not None and current is not sp.sharded_param and isinstance(current, DTensor):
-                    sp.adopt(current)
-
-        module.register_load_state_dict_pre_hook(pre_hook)
-        module.register_load_state_dict_post_hook(post_hook)
-
-    def save_pre_hook(m: nn.Module, prefix: str, keep_vars: bool) -> None:
-        # between forward and backward the full parameters are registered: save the shards
-        if group.is_unsharded:
-            for sp in group.params:
-                sp.register(unsharded=False)
-
-    def save_post_hook(m: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
-        if group.is_unsharded:
-            for sp in group.params:
-                sp.register(unsharded=True)
-
-    def load_pre_hook(m: nn.Module, *args: Any) -> None:
-        if group.state is not GroupState.SHARDED:
-            group.reshard()  # loaded values go into the shards; the next use gathers them
-
-    for m in {id(m): m for sp in group.params for m, _ in sp.uses}.values():
-        m.register_state_dict_pre_hook(save_pre_hook)
-        m.register_state_dict_post_hook(save_post_hook)
-        m.register_load_state_dict_pre_hook(load_pre_hook)
 
 
 def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, mesh: DeviceMesh) -> int:
@@ -367,7 +293,7 @@ def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
 
 def _owner_param_name(owner: _Owner, modules: tuple[nn.Module, ...]) -> str:
     """The owner's parameter, by its name under ``modules`` where it lies there."""
-    owner_modules = {id(m()) for m in owner.modules}
+    owner_modules = {id(m) for m in owner.modules}
     for i, top in enumerate(modules):
         for name, m in top.named_modules():
             if id(m) in owner_modules:
@@ -399,8 +325,8 @@ def _collect_params(
             if p is None or p in ignored:
                 continue
             fqn = prefix + name
-            owner = _OWNERS.get(id(p))
-            if owner is not None and owner.owns(p):
+            owner: _Owner | None = p.__dict__.get(OWNER_ATTR)
+            if owner is not None:
                 if any(owner.encloses(m) for m in modules):
                     raise ValueError(
                         f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
@@ -432,11 +358,14 @@ def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
 
 
 def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``, made once per class while its modules live (found among the class's
+    own subclasses, so sharded modules of one class share one type)."""
     if issubclass(cls, FSDPModule):
         return cls
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
-    return _FSDP_CLASSES[cls]
+    for sub in cls.__subclasses__():
+        if sub.__bases__ == (FSDPModule, cls):
+            return sub
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__deepcopy__": _no_deepcopy})
 
 
 def _no_deepcopy(self: nn.Module, memo: Any) -> Any:
@@ -561,10 +490,7 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last before the optimizer step: only then does
         its end wait for the last gradient reduction (useful when pipelining microbatches)."""
-        state = state_of(self)  # type: ignore[arg-type]
-        state.lazy_init()
-        assert state.ctx is not None
-        state.ctx.is_last_backward = is_last_backward
+        state_of(self).lazy_init().is_last_backward = is_last_backward  # type: ignore[arg-type]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn gradient reduction on or off (off: gradients accumulate unsharded, locally,
@@ -585,6 +511,7 @@ class FSDPModule:
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         for state in self._fully_shard_states(recurse):
             state.reshard_after_forward = reshard_after_forward
+            state.post_forward_ranks = None  # a bool replaces reshard_after_forward=k, as in torch
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free full parameters after backward (False keeps them for the next
@@ -615,10 +542,7 @@ class FSDPModule:
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the next forward's first all-gather wait for ``event`` (recorded after the
         optimizer step) rather than for the whole current stream. No-op on the CPU."""
-        state = state_of(self)  # type: ignore[arg-type]
-        state.lazy_init()
-        assert state.ctx is not None
-        state.ctx.post_optim_event = event
+        state_of(self).lazy_init().post_optim_event = event  # type: ignore[arg-type]
 
 
     # -- torch 2.13's communication controls ---------------------------------------------
@@ -706,10 +630,12 @@ class FSDPModule:
             group.max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Run reduce-scatters on a process group of their own (one per set of shard ranks,
-        created here: call it on every rank), so they can overlap with all-gathers."""
+        """Run reduce-scatters on a process group of their own (one per set of shard ranks
+        per call, as in torch, created here: call it on every rank), so they can overlap
+        with all-gathers."""
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
-            group.reduce_scatter_group = _separate_group(group.mesh_info.shard_group) if enable else None
+            group.reduce_scatter_group = separate_group(group.mesh_info, made, group.reduce_scatter_group) if enable else None
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Not supported: ``True`` raises (a NCCL allocation optimisation; fully_shard
@@ -734,16 +660,6 @@ class FSDPModule:
 def _check_comm(comm: Any, method: str) -> None:
     if not (callable(comm) and callable(getattr(comm, "allocate", None))):
         raise ValueError(f"{method} expects a Comm: an object with allocate(size, *, dtype, device) and __call__, got {type(comm).__name__}")
-
-
-_SEPARATE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _separate_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _SEPARATE_GROUPS:
-        _SEPARATE_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _SEPARATE_GROUPS[ranks]
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
@@ -776,10 +692,11 @@ def _states_of(caller: nn.Module, modules: list[FSDPModule], method: str) -> lis
 
 
 def _name_in_model(anchor: nn.Module, module: Any) -> str:
-    """``module``'s fully-qualified name under the outermost sharded module holding it."""
-    candidates = {id(m()): m() for owner in _OWNERS.values() for m in owner.modules if m() is not None}
-    candidates[id(anchor)] = anchor
-    names = [name for top in candidates.values() for name, m in top.named_modules() if m is module]
+    """``module``'s fully-qualified name under the outermost sharded module above ``anchor``."""
+    top = state_of(anchor)
+    while top.enclosing is not None:
+        top = top.enclosing
+    names = [name for root in (*top.modules, anchor) for name, m in root.named_modules() if m is module]
     if not names:
         return repr(type(module).__name__)
     name = max(names, key=len)

@@ -39,45 +39,56 @@ class CollectiveEvent:
     end: float | None = None  # ... when its wait returned (on accelerators: CPU-side time)
 
 
-_observers: list[Callable[[CollectiveEvent], None]] = []
-_debug_counts: dict[int, int] | None = None  # debug mode: collectives issued per group
-
-
-def add_observer(fn: Callable[[CollectiveEvent], None]) -> None:
-    """Call ``fn`` with every collective fully_shard completes (until removed)."""
-    _observers.append(fn)
-
-
-def remove_observer(fn: Callable[[CollectiveEvent], None]) -> None:
-    _observers.remove(fn)
-
-
 DEBUG_ENV = "FULLY_SHARD_DEBUG"  # "1": debug mode from the start, no code change needed
-_hint_printed = False
 
 
-def set_debug(enabled: bool) -> None:
-    """Debug mode: before each collective, ranks exchange what they are about to issue and
-    raise on the first divergence instead of hanging in mismatched collectives."""
-    global _debug_counts
-    _debug_counts = {} if enabled else None
+class CollectiveMonitor:
+    """Who watches fully_shard's collectives: observers (traces) and the debug mode.
+
+    The one piece of process-wide mutable state in fully_shard, reachable as
+    ``comm.monitor``; ``reset()`` returns it to its start-up state (the test harness calls
+    it between tests). ``add_observer``, ``remove_observer``, ``set_debug`` and ``is_debug``
+    below are its methods.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No observers; debug mode as ``FULLY_SHARD_DEBUG`` says; the failure hint not shown yet."""
+        self.observers: list[Callable[[CollectiveEvent], None]] = []
+        self.debug_counts: dict[int, int] | None = None  # debug mode: collectives issued per group
+        self.set_debug(os.environ.get(DEBUG_ENV, "") == "1")
+        self.hint_printed = False
+
+    def add_observer(self, fn: Callable[[CollectiveEvent], None]) -> None:
+        """Call ``fn`` with every collective fully_shard completes (until removed)."""
+        self.observers.append(fn)
+
+    def remove_observer(self, fn: Callable[[CollectiveEvent], None]) -> None:
+        self.observers.remove(fn)
+
+    def set_debug(self, enabled: bool) -> None:
+        """Debug mode: before each collective, ranks exchange what they are about to issue and
+        raise on the first divergence instead of hanging in mismatched collectives."""
+        self.debug_counts = {} if enabled else None
+
+    def is_debug(self) -> bool:
+        return self.debug_counts is not None
 
 
-def is_debug() -> bool:
-    return _debug_counts is not None
-
-
-set_debug(os.environ.get(DEBUG_ENV, "") == "1")
+monitor = CollectiveMonitor()
+add_observer, remove_observer = monitor.add_observer, monitor.remove_observer
+set_debug, is_debug = monitor.set_debug, monitor.is_debug
 
 
 class CollectiveMismatchError(RuntimeError):
     """Debug mode found that the ranks of a group are about to issue different collectives."""
 
 
-def _check_same_everywhere(group: dist.ProcessGroup, fingerprint: tuple[Any, ...]) -> None:
-    assert _debug_counts is not None
-    index = _debug_counts.get(id(group), 0)
-    _debug_counts[id(group)] = index + 1
+def _check_same_everywhere(group: dist.ProcessGroup, fingerprint: tuple[Any, ...], counts: dict[int, int]) -> None:
+    index = counts.get(id(group), 0)
+    counts[id(group)] = index + 1
     gathered: list[Any] = [None] * group.size()
     dist.all_gather_object(gathered, fingerprint, group=group)
     if any(f != gathered[0] for f in gathered):
@@ -93,10 +104,10 @@ def _check_same_everywhere(group: dist.ProcessGroup, fingerprint: tuple[Any, ...
 
 def _issue(kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, call: Callable[[], Any]) -> tuple[Any, CollectiveEvent | None]:
     """Issue a collective, checked (debug mode) and observed (traces)."""
-    if _debug_counts is not None:
-        _check_same_everywhere(group, (kind, what, inp.numel(), str(inp.dtype)))
+    if monitor.debug_counts is not None:
+        _check_same_everywhere(group, (kind, what, inp.numel(), str(inp.dtype)), monitor.debug_counts)
     event = None
-    if _observers:
+    if monitor.observers:
         backward = torch._C._current_graph_task_id() != -1
         event = CollectiveEvent(kind, what, group.size(), inp.numel() * inp.element_size(), backward, time.perf_counter())
     return call(), event
@@ -105,7 +116,7 @@ def _issue(kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, ca
 def _finish(event: CollectiveEvent | None) -> None:
     if event is not None:
         event.end = time.perf_counter()
-        for fn in list(_observers):
+        for fn in list(monitor.observers):
             fn(event)
 
 
@@ -131,10 +142,9 @@ def _wait(work: dist.Work, what: str) -> None:
 def _print_debug_hint() -> None:
     """Once per process, on stderr: a failed collective may be followed by an abort that
     no exception message survives."""
-    global _hint_printed
-    if _hint_printed or is_debug():
+    if monitor.hint_printed or monitor.is_debug():
         return
-    _hint_printed = True
+    monitor.hint_printed = True
     print(
         f"fully_shard: a collective failed. If the ranks ran different modules (an exception or "
         f"a skipped block on some ranks), rerun with the environment variable {DEBUG_ENV}=1: "
@@ -192,6 +202,12 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp
     work, event = _issue("all_reduce", what, group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
     _wait(work, what)
     _finish(event)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
+    """Rank ``src``'s ``tensor`` to every rank of ``group``, in place (rank-0 loading in
+    ``init.broadcast_full_state_dict``; not observed, not checked by the debug mode)."""
+    dist.broadcast(tensor, src, group=group)
 
 
 def all_gather(

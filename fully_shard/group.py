@@ -46,13 +46,12 @@ class ParamGroup:
         mesh_info: MeshInfo,
         device: torch.device,
         label: str,
-        post_forward: PostForwardInfo | None,
     ) -> None:
         self.params = params
         self.mesh_info = mesh_info
         self.device = device
         self.label = label  # the module(s) of the fully_shard call, for messages and traces
-        self.post_forward = post_forward  # reshard_after_forward=k: the k-rank group
+        self.post_forward: PostForwardInfo | None = None  # while POST_FORWARD: the k ranks holding the slices
         self.state = GroupState.SHARDED
         self._gather_buckets = _buckets([p for p in params if not p.extension], lambda p: p.unsharded_dtype)
         self._ext = [p for p in params if p.extension]  # subclasses that all-gather themselves
@@ -77,8 +76,8 @@ class ParamGroup:
         # set by pre-forward under grad mode; cleared once post-backward has run
         self.needs_post_backward = False
 
-    def _move_to(self, state: GroupState) -> None:
-        if state not in _TRANSITIONS[self.state]:
+    def _move_to(self, state: GroupState, reset: bool = False) -> None:
+        if not reset and state not in _TRANSITIONS[self.state]:
             raise AssertionError(f"fully_shard internal error: group {self.label} cannot go from {self.state.name} to {state.name}")
         self.state = state
 
@@ -184,32 +183,32 @@ class ParamGroup:
             p.register(unsharded=True)
         self._move_to(GroupState.UNSHARDED)
 
-    def reshard(self, post_forward: bool = False) -> None:
+    def reshard(self, keep: PostForwardInfo | None = None) -> None:
         """Free the full parameters and point the modules back at the sharded ones.
 
-        With ``post_forward`` and a k-rank post-forward group, each rank first keeps its
-        1/k slice so backward can all-gather within the k ranks.
+        With ``keep`` (``reshard_after_forward=k``, after forward), each rank first keeps its
+        1/k slice so backward can all-gather within those k ranks.
         """
         if self.state is GroupState.UNSHARDING:
             for work in self._all_gathers:
                 work.wait()  # the collective must complete before its buffers go
             self._hold_all_gathers()
             self._move_to(GroupState.UNSHARDED)
-        keep = post_forward and self.post_forward is not None and self.state is GroupState.UNSHARDED
+        if self.state is not GroupState.UNSHARDED:
+            keep = None
+        self.post_forward = keep
         if self.state is GroupState.UNSHARDED:
             for p in self.params:
                 p.check_unsharded_version()
             for p in self.params:
-                if keep:
-                    assert self.post_forward is not None
-                    p.keep_post_forward_slice(self.post_forward.size, self.post_forward.rank)
+                if keep is not None:
+                    p.keep_post_forward_slice(keep.size, keep.rank)
                 p.free_unsharded()
-        if not keep:
-            for p in self.params:
-                p.post_forward_slice = None
         for p in self.params:
+            if keep is None:
+                p.post_forward_slice = None
             p.register(unsharded=False)
-        self._move_to(GroupState.POST_FORWARD if keep else GroupState.SHARDED)
+        self._move_to(GroupState.SHARDED if keep is None else GroupState.POST_FORWARD)
 
     def _hold_all_gathers(self) -> None:
         """The all-gather buffers were last used on the current stream: keep them until the
@@ -221,6 +220,7 @@ class ParamGroup:
         """Back to SHARDED whatever happened, dropping in-flight buffers and partial grads."""
         self._all_gathers = []
         self._partials = {}
+        self.post_forward = None
         if self.state is GroupState.UNSHARDED:
             for p in self.params:
                 p.free_unsharded()
@@ -230,7 +230,7 @@ class ParamGroup:
             p.accumulated_grad = None
             p.clear_unsharded_grad()
             p.sharded_param.grad = None  # part of the failed iteration's gradients
-        self.state = GroupState.SHARDED
+        self._move_to(GroupState.SHARDED, reset=True)
         self.needs_post_backward = False
 
     def refresh_after_apply(self) -> None:

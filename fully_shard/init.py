@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import comm
 from .param import ShardedParam
 from .state import STATE_ATTR, FSDPState
 
@@ -148,11 +149,11 @@ def broadcast_full_state_dict(
                 full = torch.empty(sp.size, dtype=sp.dtype, device=sp.device)
                 if rank == src:
                     full.copy_(full_state_dict[name])  # type: ignore[index]
-                dist.broadcast(full, src, group=group)
+                comm.broadcast(full, src, group)
                 sp.local_shard.copy_(sp.local_part(full))
                 del full
             else:
                 target = tensor.data
                 if rank == src:
                     target.copy_(full_state_dict[name])  # type: ignore[index]
-                dist.broadcast(target, src, group=group)
+                comm.broadcast(target, src, group)

@@ -74,19 +74,16 @@ class PostForwardInfo:
     rank: int  # this rank's index among the k
 
 
-# (this rank, the mesh's ranks, k) -> (the default group they were made under, this rank's
-# k-rank group). The rank is part of the key because ranks may be threads of one process
-# (torch's threaded process group) sharing this module; the default group is kept to tell
-# groups of a destroyed and re-initialised world from live ones.
-_POST_FORWARD_GROUPS: dict[tuple[int, tuple[int, ...], int], tuple[Any, PostForwardInfo]] = {}
+def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, PostForwardInfo | None]:
+    """``reshard_after_forward`` as torch reads it, once: whether to reshard after forward
+    (``None``: decided at lazy init) and, for an int ``k``, this rank's k-rank group.
 
-
-def resolve_reshard_after_forward(value: bool | int | None, n: int) -> bool | int | None:
-    """An int ``reshard_after_forward`` as torch reads it: ``k`` must divide the shard group
-    size ``n``; ``n`` means True (reshard to the whole group), 1 means False (keep the full
-    parameters, with a warning, as 1 reads like True); anything else stays ``k``."""
-    if type(value) is not int:
-        return value
+    ``k`` must divide the shard group size ``n``; ``n`` means True (reshard to the whole
+    group), 1 means False (keep the full parameters, with a warning, as 1 reads like True).
+    """
+    if value is None or isinstance(value, bool):
+        return value, None
+    n = info.shard_size
     if not (1 <= value <= n and n % value == 0):
         raise ValueError(
             f"reshard_after_forward={value} must be a divisor of the shard group size {n} "
@@ -98,29 +95,21 @@ def resolve_reshard_after_forward(value: bool | int | None, n: int) -> bool | in
             "parameters after forward like reshard_after_forward=False; pass True to free them",
             stacklevel=3,
         )
-        return False
+        return False, None
     if value == n:
-        return True
-    return value
+        return True, None
+    if info.spmd_mesh is not None:
+        raise NotImplementedError("reshard_after_forward=<int> is not supported with dp_mesh_dims; pass True or False")
+    return True, _post_forward_info(info, value)
 
 
-def post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
-    """Return this rank's k-rank group for ``reshard_after_forward=k`` (a divisor of the
-    shard group size other than 1 and itself: ``resolve_reshard_after_forward`` first),
-    created once per mesh and k.
-
-    Every rank creates every group, in the same order, as ``new_group`` requires.
-    """
+def _post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
+    """This rank's k-rank group for ``reshard_after_forward=k``. Every rank creates every
+    group, in the same order, as ``new_group`` requires; as in torch, each fully_shard call
+    creates its own."""
     n = info.shard_size
-    assert 1 < k < n and n % k == 0, f"reshard_after_forward={k} was not resolved for {n} ranks"
-    # the shard dim is the last mesh dim: each row is one shard group's global ranks
-    rows = info.mesh.mesh.reshape(-1, n).tolist()
+    rows = info.mesh.mesh.reshape(-1, n).tolist()  # the shard dim is last: a row per shard group
     me = dist.get_rank()
-    key = (me, tuple(int(r) for row in rows for r in row), k)
-    world = dist.group.WORLD
-    cached = _POST_FORWARD_GROUPS.get(key)
-    if cached is not None and cached[0] is world:
-        return cached[1]
     mine: PostForwardInfo | None = None
     for row in rows:
         for start in range(0, n, k):
@@ -129,8 +118,16 @@ def post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
             if me in members:
                 mine = PostForwardInfo(group, k, members.index(me))
     assert mine is not None, f"rank {me} is not in the mesh {rows}"
-    _POST_FORWARD_GROUPS[key] = (world, mine)
     return mine
+
+
+def separate_group(info: MeshInfo, made: dict[tuple[int, ...], dist.ProcessGroup], current: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A process group of the shard ranks for reduce-scatters alone: one per set of ranks in
+    ``made`` (one ``set_separate_reduce_scatter_group`` call), reusing the group's ``current`` one."""
+    ranks = tuple(dist.get_process_group_ranks(info.shard_group))
+    if ranks not in made:
+        made[ranks] = current if current is not None else dist.new_group(list(ranks), use_local_synchronization=True)
+    return made[ranks]
 
 
 def mesh_info_for(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | None = None) -> MeshInfo:

@@ -16,6 +16,10 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from .mesh import MeshInfo
 from .policy import MixedPrecisionPolicy
 
+# the attribute, on an original parameter and its sharded replacement, that names the
+# fully_shard call owning them (``ShardedParam.owner``)
+OWNER_ATTR = "_fully_shard_owner"
+
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1
@@ -128,6 +132,13 @@ class ShardedParam:
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
         self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
         self._unsharded_version = 0  # the unsharded parameter's version counter after its copy-out
+        self.owner: object = None  # the fully_shard call that owns it (api's ``_Owner``)
+
+    def set_owner(self, owner: object) -> None:
+        """Record the owner, on the sharded parameter too (again whenever it is replaced or
+        swapped: ``refresh_after_apply``, which ``adopt`` ends with)."""
+        self.owner = owner
+        self.sharded_param.__dict__[OWNER_ATTR] = owner
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
@@ -145,6 +156,7 @@ class ShardedParam:
                 requires_grad=self.sharded_param.requires_grad,
             )
             torch.utils.swap_tensors(self.sharded_param, moved)
+        self.set_owner(self.owner)  # Module._apply swaps DTensor parameters, attributes too
         dtype = self.local_shard.dtype
         if dtype == self.dtype:
             return

@@ -1,4 +1,4 @@
-"""The hook driver: the only file that knows about module and autograd hooks.
+"""The hook driver: the only file that registers module, autograd and state-dict hooks.
 
 One ``FSDPState`` per ``fully_shard`` call. The first forward through an FSDP module makes
 it the root: it finds every state below it and links them to one ``RootContext`` that
@@ -28,6 +28,8 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .group import GroupState, ParamGroup, PendingReduce
+from .mesh import PostForwardInfo
+from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import Streams
 
@@ -44,9 +46,18 @@ class TrainingState(Enum):
     """What a state is doing now."""
 
     IDLE = auto()  # between phases
-    FORWARD = auto()  # inside its module's forward
+    FORWARD = auto()  # inside its module's forward (a group of several modules: its pass is open)
     PRE_BACKWARD = auto()  # its outputs' gradients arrived; its backward is computing
-    POST_BACKWARD = auto()  # reducing its gradients
+
+
+# the transitions a state may make (``FSDPState.move_to``): forward may nest (a registered
+# forward method that calls forward), a backward may reach a group whose pass is still open
+# (a chunked loss), and post-backward, the end of backward and a reset go back to IDLE
+_TRANSITIONS = {
+    TrainingState.IDLE: {TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
+    TrainingState.FORWARD: {TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
+    TrainingState.PRE_BACKWARD: {TrainingState.IDLE},
+}
 
 
 class RootContext:
@@ -70,20 +81,60 @@ class RootContext:
         if pending is not None:
             pending.finish()
 
+    def queue_finalize(self) -> None:
+        """Once per backward: have autograd call ``finalize_backward`` when it is done."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def finalize_backward(self) -> None:
+        """End of backward: settle groups autograd did not reach."""
+        with record_function("fully_shard::finalize_backward"):
+            for state in self.states:
+                group = state.group
+                if group is not None and (group.needs_post_backward or group.has_unsharded_grads()):
+                    # inputs needed no gradient, or params unused; or gradients that arrived
+                    # after this group's post-backward ran: a backward over part of the graph
+                    # (a chunked loss) settles every group, then a later one reaches it
+                    state.post_backward(self)
+            if self.is_last_backward:
+                with torch.no_grad():
+                    self.finish_reduce()
+            for state in self.states:
+                state.move_to(TrainingState.IDLE)
+                state.to_run.clear()  # passes opened by members called on their own
+                group = state.group
+                if group is not None and group.state is not GroupState.SHARDED and group.reshard_after_backward:
+                    group.reshard()  # prefetched but never used, or kept after forward for a backward that never came
+            self.post_forward_order = []
+            self.callback_queued = False
+
+    def reset(self) -> None:
+        """Drop everything an aborted forward or backward left behind."""
+        self.pending_reduce = None  # its peers may have failed: never wait on it
+        for state in self.states:
+            state.move_to(TrainingState.IDLE)
+            state.to_run.clear()
+            if state.group is not None:
+                state.group.reset()
+        self.forward_order = []
+        self.post_forward_order = []
+        self.callback_queued = False
+
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a module's inputs whose backward runs once their gradients are computed,
     which is when the module's own backward has finished."""
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.state = state
+    def forward(ctx: Any, state: FSDPState, root: RootContext, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.state, ctx.root = state, root
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.state.post_backward()
-        return (None, *grads)
+        ctx.state.post_backward(ctx.root)
+        return (None, None, *grads)
 
 
 class FSDPState:
@@ -95,24 +146,35 @@ class FSDPState:
         group: ParamGroup | None,
         device: torch.device,
         reshard_after_forward: bool | None,
+        post_forward_ranks: PostForwardInfo | None,
         mp_policy: MixedPrecisionPolicy,
+        ignored_params: set[nn.Parameter],
     ) -> None:
         self.modules = modules
         self.mp_policy = mp_policy
         self.group = group
         self.device = device
-        self.reshard_after_forward = reshard_after_forward  # None: resolved at lazy init; int: k ranks
-        self.is_root: bool | None = None
-        self.ctx: RootContext | None = None
+        self.reshard_after_forward = reshard_after_forward  # None: decided at lazy init (False for the root)
+        self.post_forward_ranks = post_forward_ranks  # reshard_after_forward=k: this rank's k-rank group
+        self.is_root = False  # decided at lazy init
+        self.ctx: RootContext | None = None  # set at lazy init: ``lazy_init()`` returns it
+        self.enclosing: FSDPState | None = None  # the nearest enclosing fully_shard call
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, overrides implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self._post_forward_index = -1
         self.shared_streams: Streams | None = None  # share_comm_ctx
         self.fqn: str | None = None  # of its module in the root, once lazy init knows it ("": the root)
-        self.ignored_params: set[nn.Parameter] = set()  # the call's ignored_params
+        self.ignored_params = ignored_params
         self.to_run: set[nn.Module] = set()  # members yet to run in the open forward pass
         self._register_hooks()
+        if group is not None:
+            _register_state_dict_hooks(group)
+
+    def move_to(self, state: TrainingState) -> None:
+        if state not in _TRANSITIONS[self.training_state]:
+            raise AssertionError(f"fully_shard internal error: {self._name()} cannot go from {self.training_state.name} to {state.name}")
+        self.training_state = state
 
     def _name(self) -> str:
         """Its module(s) for messages: by fully-qualified name once the root is known."""
@@ -161,7 +223,7 @@ class FSDPState:
                 # the pass stays open, so these outputs get no pre-backward hook; should the
                 # group be resharded before their backward (an explicit reshard()), gather it
                 # again rather than let backward read freed storage
-                _map_tensors(self._hook_regather, output)
+                _map_tensors(functools.partial(self._hook_regather, self.lazy_init()), output)
             return self._cast_output(output)
 
         for module in self.modules:
@@ -192,10 +254,11 @@ class FSDPState:
 
     # -- lazy root initialisation -------------------------------------------------------
 
-    def lazy_init(self) -> None:
-        """Make this state the root of every state below its module(s)."""
+    def lazy_init(self) -> RootContext:
+        """The root context, made at the first call: this state becomes the root of every
+        state below its module(s)."""
         if self.ctx is not None:
-            return
+            return self.ctx
         states: list[FSDPState] = []
         names: dict[int, str] = {}
         for root_module in self.modules:
@@ -234,6 +297,7 @@ class FSDPState:
                     p.pick_up_replacement(managed)
                     p.check_materialized()
         self._check_enclosing_model()
+        return ctx
 
     def _check_enclosing_model(self) -> None:
         """Refuse a root inside a model whose own trainable parameters nobody shards.
@@ -286,9 +350,7 @@ class FSDPState:
 
     @_not_traced
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        self.lazy_init()
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.lazy_init()
         with record_function("fully_shard::pre_forward"):
             args, kwargs = self._cast_inputs(args, kwargs)
             if self.training_state is TrainingState.PRE_BACKWARD:
@@ -298,48 +360,45 @@ class FSDPState:
                     self.group.unshard()
                 return args, kwargs
             if self.is_root:
-                args, kwargs = self._root_pre_forward(args, kwargs)
-            self.training_state = TrainingState.FORWARD
+                args, kwargs = self._root_pre_forward(ctx, args, kwargs)
+            self.move_to(TrainingState.FORWARD)
             grad_enabled = torch.is_grad_enabled()
             if self.group is not None:
                 # gather this group, then issue the next one's all-gather: it overlaps with this
                 # group's compute, and at most two groups' buffers are alive
                 self.group.unshard()
-                self._prefetch(self._forward_prefetch_targets())
+                self._prefetch(self._forward_prefetch_targets(ctx))
                 if grad_enabled:
                     self.group.needs_post_backward = True
             ctx.forward_order.append(self)
             if grad_enabled and self.group is not None:
-                args, kwargs = self._hook_inputs(args, kwargs)
+                args, kwargs = self._hook_inputs(ctx, args, kwargs)
         return args, kwargs
 
     @_not_traced
     def post_forward(self, output: Any) -> Any:
-        ctx = self.ctx
-        assert ctx is not None
+        ctx = self.lazy_init()  # made by pre_forward
         with record_function("fully_shard::post_forward"):
             if self.training_state is TrainingState.PRE_BACKWARD:  # recomputation, see pre_forward
                 return self._cast_output(output)
             if self.group is not None and self.reshard_after_forward:
-                self.group.reshard(post_forward=type(self.reshard_after_forward) is int)
-            self.training_state = TrainingState.IDLE
+                self.group.reshard(keep=self.post_forward_ranks)
+            self.move_to(TrainingState.IDLE)
             self.to_run.clear()
             if torch.is_grad_enabled():
                 self._post_forward_index = len(ctx.post_forward_order)
                 ctx.post_forward_order.append(self)
-                output = self._hook_outputs(output)
+                output = self._hook_outputs(ctx, output)
             if self.is_root:
-                output = self._root_post_forward(output)
+                output = self._root_post_forward(ctx, output)
         return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
         return output if dtype is None else _map_tensors(_floating_cast(dtype), output)
 
-    def _root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        ctx = self.ctx
-        assert ctx is not None
-        self._check_registered_params()
+    def _root_pre_forward(self, ctx: RootContext, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self._check_registered_params(ctx)
         ctx.streams.wait_for_optimizer(ctx.post_optim_event)
         ctx.post_optim_event = None
         if ctx.forward_order:
@@ -351,11 +410,9 @@ class FSDPState:
             args, kwargs = _to_device((args, kwargs), self.device)
         return args, kwargs
 
-    def _check_registered_params(self) -> None:
+    def _check_registered_params(self, ctx: RootContext) -> None:
         """Refuse a parameter replaced after fully_shard (e.g. weights tied afterwards):
         fully_shard gathers and reduces the one it registered, not the newcomer."""
-        ctx = self.ctx
-        assert ctx is not None
         for state in ctx.states:
             for p in state.group.params if state.group is not None else ():
                 for module, name in p.uses:
@@ -376,36 +433,31 @@ class FSDPState:
             "be in one fully_shard call, e.g. on their common parent)."
         )
 
-    def _root_post_forward(self, output: Any) -> Any:
+    def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
         """Close the passes of groups some member of which did not run, then reshard groups
         prefetched for a module that did not run this time."""
-        ctx = self.ctx
-        assert ctx is not None
-        output = self._complete_open_passes(output)
+        output = self._complete_open_passes(ctx, output)
         ran = {id(s) for s in ctx.forward_order}
         for state in ctx.states:
             if state.group is not None and state.group.is_unsharded and id(state) not in ran:
                 state.group.reshard()
         return output
 
-    def _complete_open_passes(self, output: Any) -> Any:
+    def _complete_open_passes(self, ctx: RootContext, output: Any) -> Any:
         """A group whose forward pass is still open when the root's forward ends has a member
         the model's forward skipped (called later on its own, or not at all): finish its
         post-forward now, as if it ended with the root. Its backward then starts when the
         root's output gets its gradient (innermost groups first, as nested post-forwards
         would have run)."""
-        ctx = self.ctx
-        assert ctx is not None
         for state in reversed(ctx.states):
             if state is not self and state.to_run and state.training_state is TrainingState.FORWARD:
                 output = state.post_forward(output)
         return output
 
-    def _forward_prefetch_targets(self) -> list[FSDPState]:
+    def _forward_prefetch_targets(self, ctx: RootContext) -> list[FSDPState]:
         if self.forward_prefetch is not None:
             return self.forward_prefetch
-        order = self.ctx.prev_forward_order if self.ctx is not None else []
-        position = len(self.ctx.forward_order) if self.ctx is not None else 0
+        order, position = ctx.prev_forward_order, len(ctx.forward_order)
         # the state that ran right after this one last iteration, if the order so far repeats
         if position + 1 < len(order) and order[position] is self:
             return [order[position + 1]]
@@ -419,7 +471,7 @@ class FSDPState:
 
     # -- backward ----------------------------------------------------------------------
 
-    def pre_backward(self, *unused: Any) -> None:
+    def pre_backward(self, ctx: RootContext) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         if torch.is_grad_enabled():  # only a backward with create_graph=True records a graph
@@ -431,21 +483,19 @@ class FSDPState:
                 "higher-order term outside the sharded modules, or without create_graph."
             )
         with record_function("fully_shard::pre_backward"):
-            self._queue_final_callback()
-            self.training_state = TrainingState.PRE_BACKWARD
+            ctx.queue_finalize()
+            self.move_to(TrainingState.PRE_BACKWARD)
             if self.group is not None:
                 # a backward reached this group: it owes a post-backward, even when several
                 # forwards ran before their backwards (pipelining: F0 F1 B0 B1)
                 self.group.needs_post_backward = True
             if self.group is not None and self.group.unshard_in_backward:
                 self.group.unshard()
-                self._prefetch(self._backward_prefetch_targets())
+                self._prefetch(self._backward_prefetch_targets(ctx))
 
-    def _backward_prefetch_targets(self) -> list[FSDPState]:
+    def _backward_prefetch_targets(self, ctx: RootContext) -> list[FSDPState]:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
-        ctx = self.ctx
-        assert ctx is not None
         i = self._post_forward_index
         if 0 < i < len(ctx.post_forward_order) and ctx.post_forward_order[i] is self:
             target = ctx.post_forward_order[i - 1]
@@ -453,12 +503,9 @@ class FSDPState:
                 return [target]
         return []
 
-    def post_backward(self) -> None:
-        ctx = self.ctx
-        assert ctx is not None
+    def post_backward(self, ctx: RootContext) -> None:
         with record_function("fully_shard::post_backward"):
-            self._queue_final_callback()
-            self.training_state = TrainingState.POST_BACKWARD
+            ctx.queue_finalize()
             group = self.group
             if group is not None:
                 with torch.no_grad():
@@ -468,39 +515,7 @@ class FSDPState:
                 if pending is not None:
                     ctx.finish_reduce()  # the previous group's, issued one group ago
                     ctx.pending_reduce = pending
-            self.training_state = TrainingState.IDLE
-
-    def _queue_final_callback(self) -> None:
-        ctx = self.ctx
-        assert ctx is not None
-        if not ctx.callback_queued:
-            ctx.callback_queued = True
-            root = next(s for s in ctx.states if s.is_root)
-            Variable._execution_engine.queue_callback(root._finalize_backward)
-
-    def _finalize_backward(self) -> None:
-        """End of backward (queued by the root): settle groups autograd did not reach."""
-        ctx = self.ctx
-        assert ctx is not None
-        with record_function("fully_shard::finalize_backward"):
-            for state in ctx.states:
-                group = state.group
-                if group is not None and (group.needs_post_backward or group.has_unsharded_grads()):
-                    # inputs needed no gradient, or params unused; or gradients that arrived
-                    # after this group's post-backward ran: a backward over part of the graph
-                    # (a chunked loss) settles every group, then a later one reaches it
-                    state.post_backward()
-            if ctx.is_last_backward:
-                with torch.no_grad():
-                    ctx.finish_reduce()
-            for state in ctx.states:
-                state.training_state = TrainingState.IDLE
-                state.to_run.clear()  # passes opened by members called on their own
-                group = state.group
-                if group is not None and group.state is not GroupState.SHARDED and group.reshard_after_backward:
-                    group.reshard()  # prefetched but never used, or kept after forward for a backward that never came
-            ctx.post_forward_order = []
-            ctx.callback_queued = False
+            self.move_to(TrainingState.IDLE)
 
     def reset_iter_state(self) -> None:
         """Drop everything an aborted forward or backward left behind."""
@@ -511,51 +526,88 @@ class FSDPState:
                 "reset_iter_state() must be called on the root module (the one fully_shard was "
                 "applied to last, whose forward ran first)"
             )
-        ctx = self.ctx
-        assert ctx is not None
-        ctx.pending_reduce = None  # its peers may have failed: never wait on it
-        for state in ctx.states:
-            state.training_state = TrainingState.IDLE
-            state.to_run.clear()
-            if state.group is not None:
-                state.group.reset()
-        ctx.forward_order = []
-        ctx.post_forward_order = []
-        ctx.callback_queued = False
+        self.ctx.reset()
 
     # -- tensor hooks ----------------------------------------------------------------------
 
-    def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def _hook_inputs(self, ctx: RootContext, args: Any, kwargs: Any) -> tuple[Any, Any]:
         leaves, spec = tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return args, kwargs
-        hooked = _PostBackward.apply(self, *(leaves[i] for i in positions))
+        hooked = _PostBackward.apply(self, ctx, *(leaves[i] for i in positions))
         for i, t in zip(positions, hooked):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
-    def _hook_outputs(self, output: Any) -> Any:
+    def _hook_outputs(self, ctx: RootContext, output: Any) -> Any:
         def hook(t: torch.Tensor) -> torch.Tensor:
             if t.requires_grad:
-                t.register_hook(self._pre_backward_hook)
+                t.register_hook(lambda grad: self.pre_backward(ctx))
             return t
 
         _map_tensors(hook, output)
         return output
 
-    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
-        self.pre_backward()
+    def _hook_regather(self, ctx: RootContext, t: torch.Tensor) -> torch.Tensor:
+        def regather(grad: torch.Tensor) -> None:
+            ctx.queue_finalize()
+            if self.group is not None:
+                self.group.unshard()
 
-    def _hook_regather(self, t: torch.Tensor) -> torch.Tensor:
         if t.requires_grad:
-            t.register_hook(self._regather_hook)
+            t.register_hook(regather)
         return t
 
-    def _regather_hook(self, grad: torch.Tensor) -> None:
-        assert self.group is not None
-        self._queue_final_callback()
-        self.group.unshard()
+
+def _register_state_dict_hooks(group: ParamGroup) -> None:
+    """``load_state_dict`` of full tensors, and ``assign=True``, for sharded parameters.
+
+    Before loading, a full (plain) tensor under a sharded parameter's key becomes this
+    rank's shard; after an ``assign=True`` load, the newly assigned DTensor parameter
+    becomes the group's sharded parameter.
+    """
+    by_module: dict[int, tuple[nn.Module, dict[str, ShardedParam]]] = {}
+    for sp in group.params:
+        for m, name in sp.uses:
+            by_module.setdefault(id(m), (m, {}))[1][name] = sp
+    for module, params in by_module.values():
+
+        def pre_hook(m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params) -> None:
+            for name, sp in params.items():
+                key = prefix + name
+                value = state_dict.get(key)
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    state_dict[key] = sp.full_to_sharded(value, key)
+
+        def post_hook(m: nn.Module, incompatible: Any, params: dict[str, ShardedParam] = params) -> None:
+            for name, sp in params.items():
+                current = m._parameters.get(name)
+                if current is not None and current is not sp.sharded_param and isinstance(current, DTensor):
+                    sp.adopt(current)
+
+        module.register_load_state_dict_pre_hook(pre_hook)
+        module.register_load_state_dict_post_hook(post_hook)
+
+    def save_pre_hook(m: nn.Module, prefix: str, keep_vars: bool) -> None:
+        # between forward and backward the full parameters are registered: save the shards
+        if group.is_unsharded:
+            for sp in group.params:
+                sp.register(unsharded=False)
+
+    def save_post_hook(m: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        if group.is_unsharded:
+            for sp in group.params:
+                sp.register(unsharded=True)
+
+    def load_pre_hook(m: nn.Module, *args: Any) -> None:
+        if group.state is not GroupState.SHARDED:
+            group.reshard()  # loaded values go into the shards; the next use gathers them
+
+    for m in {id(m): m for sp in group.params for m, _ in sp.uses}.values():
+        m.register_state_dict_pre_hook(save_pre_hook)
+        m.register_state_dict_post_hook(save_post_hook)
+        m.register_load_state_dict_pre_hook(load_pre_hook)
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:

@@ -12,7 +12,7 @@ On a device with streams (CUDA and alike) fully_shard overlaps communication wit
 No buffer is ever handed to ``Tensor.record_stream``: a buffer used on another stream than
 the one it was allocated on stays referenced by Python until an event proves its last
 consumer finished (``Held``). On the CPU every method is a no-op and the code path is the
-same. Tests inject a recording double through ``set_backend``.
+same. Tests pass a recording double to ``Streams`` (``Backend``).
 """
 
 from __future__ import annotations
@@ -57,15 +57,6 @@ class _TorchBackend:
         stream.wait_event(event)
 
 
-_backend_override: Backend | None = None
-
-
-def set_backend(backend: Backend | None) -> None:
-    """Tests: route every stream operation (on any device, the CPU too) through ``backend``."""
-    global _backend_override
-    _backend_override = backend
-
-
 def has_streams(device: torch.device) -> bool:
     """Whether ``device`` runs work asynchronously on streams (CUDA, XPU, ...), unlike the CPU."""
     return device.type not in ("cpu", "meta")
@@ -90,11 +81,13 @@ class Held:
 class Streams:
     """The side streams of one root, or no-ops on a device without streams."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, backend: Backend | None = None) -> None:
+        """``backend``: a test double to route every stream operation through (on any device,
+        the CPU too; install it with ``share_comm_ctx``'s seam, ``FSDPState.shared_streams``)."""
         self.device = device
-        backend = _backend_override if _backend_override is not None else (_TorchBackend() if has_streams(device) else None)
+        if backend is None and has_streams(device):
+            backend = _TorchBackend()
         self.backend = backend
-        self.enabled = backend is not None
         if backend is not None:
             self.copy_in = backend.new_stream(device, "copy_in")
             self.reduce_scatter = backend.new_stream(device, "reduce_scatter")

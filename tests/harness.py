@@ -198,6 +198,9 @@ def _reset_distributed_state(store: Any, state: dict[str, int], rank: int, world
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    comm = sys.modules.get("fully_shard.comm")
+    if comm is not None:
+        comm.monitor.reset()  # observers and debug mode a previous test may have left on
     if not dist.is_initialized():
         # The previous test destroyed the default group; every rank sees the
         # same thing (a test that fails on some ranks discards the pool), so

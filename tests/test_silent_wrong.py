@@ -440,8 +440,8 @@ class _FailedWork:
 def test_failed_collective_prints_the_debug_hint_once(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from fully_shard import comm
 
-    monkeypatch.setattr(comm, "_hint_printed", False)
-    monkeypatch.setattr(comm, "_debug_counts", None)
+    monkeypatch.setattr(comm.monitor, "hint_printed", False)
+    monkeypatch.setattr(comm.monitor, "debug_counts", None)
     for _ in range(2):
         with pytest.raises(comm.CollectiveError, match="rerun with FULLY_SHARD_DEBUG=1") as info:
             comm._wait(_FailedWork(), "all-gather of layers.1's parameters")  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """The accelerator memory model, checked on the CPU with a recording stream double.
 
-``fully_shard.streams.set_backend`` routes every stream operation through a double that logs
-it; collectives and the copies around them are logged with the stream that was current.
+``fully_shard.streams.Streams(device, backend)``, installed as the root's shared streams,
+routes every stream operation through a double that logs it; collectives and the copies
+around them are logged with the stream that was current.
 The tests assert the orderings that make overlap safe without ``record_stream``.
 """
 
@@ -61,7 +62,6 @@ class RecordingBackend:
 def _recording() -> Iterator[RecordingBackend]:
     """Install the double and log collectives and copies with the current stream."""
     backend = RecordingBackend()
-    fs_streams.set_backend(backend)
     originals: dict[tuple[Any, str], Any] = {}
     alive: dict[int, Any] = {}
 
@@ -96,7 +96,6 @@ def _recording() -> Iterator[RecordingBackend]:
         comm.all_gather = orig_all_gather  # type: ignore[assignment]
         for (owner, name), orig in originals.items():
             setattr(owner, name, orig)
-        fs_streams.set_backend(None)
 
 
 def _train_step_log(post_optim_event: bool) -> list[tuple[Any, ...]]:
@@ -106,6 +105,8 @@ def _train_step_log(post_optim_event: bool) -> list[tuple[Any, ...]]:
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        root = fully_shard.state(model)  # type: ignore[attr-defined]
+        root.shared_streams = fs_streams.Streams(root.device, backend)  # the seam share_comm_ctx uses
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         checks = []
         original_wait_event = backend.wait_event
