@@ -7,7 +7,7 @@ import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, overload
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -93,10 +93,6 @@ class _ReplacedParameter(nn.Parameter):
         )
 
 
-@overload
-def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
-@overload
-def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -439,6 +435,9 @@ class FSDPModule:
                 states.setdefault(id(state), state)
         return list(states.values())
 
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        return [s.group for s in self._fully_shard_states(recurse) if s.group is not None]
+
     def no_sync(self) -> Any:
         """DDP's ``no_sync()`` does not exist here; raises with the fully_shard equivalent."""
         raise RuntimeError(
@@ -495,15 +494,13 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn gradient reduction on or off (off: gradients accumulate unsharded, locally,
         until a backward with it on). Applies to submodules too unless ``recurse=False``."""
-        for state in self._fully_shard_states(recurse):
-            if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: turn the all-reduce across replicas on or off (the reduce-scatter still runs)."""
-        for state in self._fully_shard_states(recurse):
-            if state.group is not None:
-                state.group.requires_all_reduce = requires_all_reduce
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free full parameters after forward (and gather them again in backward)."""
@@ -516,9 +513,8 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free full parameters after backward (False keeps them for the next
         forward, e.g. between gradient-accumulation microbatches)."""
-        for state in self._fully_shard_states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters as this module's forward starts, instead of
@@ -535,9 +531,8 @@ class FSDPModule:
         ranks (this module's group only, as in torch: call it on each FSDP module)."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor!r}")
-        for state in self._fully_shard_states(recurse=False):
-            if state.group is not None:
-                state.group.gradient_divide_factor = float(factor)
+        for group in self._groups(recurse=False):
+            group.gradient_divide_factor = float(factor)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the next forward's first all-gather wait for ``event`` (recorded after the
@@ -546,9 +541,6 @@ class FSDPModule:
 
 
     # -- torch 2.13's communication controls ---------------------------------------------
-
-    def _groups(self, recurse: bool) -> list[ParamGroup]:
-        return [s.group for s in self._fully_shard_states(recurse) if s.group is not None]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward all-gathers this module's parameters again. ``False`` saves that

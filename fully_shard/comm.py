@@ -156,14 +156,14 @@ def _print_debug_hint() -> None:
 
 
 @dataclass
-class AllGatherWork:
-    """An all-gather in flight: its buffers are held here until ``wait`` returns."""
+class CollectiveWork:
+    """A collective in flight (an all-gather as such), holding its buffers until ``wait`` returns."""
 
     work: dist.Work | None
-    input: torch.Tensor  # 1-D, this rank's packed shards: a view of its slot in output
-    output: torch.Tensor  # 1-D, world_size * input.numel(), rank-major
+    input: torch.Tensor | None  # all-gather: 1-D, this rank's packed shards, a view of its slot in output
+    output: torch.Tensor  # all-gather: 1-D, world_size * input.numel(), rank-major
     world_size: int
-    what: str = "all-gather"  # for error messages
+    what: str  # for error messages
     event: CollectiveEvent | None = None
 
     def wait(self) -> torch.Tensor:
@@ -176,25 +176,17 @@ class AllGatherWork:
 
 
 @dataclass
-class ReduceScatterWork:
-    """A reduce-scatter in flight, holding its buffers until ``wait`` returns."""
+class ReduceScatterWork(CollectiveWork):
+    """A reduce-scatter in flight, holding its buffers until ``wait`` returns: ``input`` is
+    the (world_size, shard_numel) chunk-concatenated gradients, dropped then; ``output`` this
+    rank's reduced (and pre-divided) flat shard."""
 
-    work: dist.Work | None
-    input: torch.Tensor | None  # (world_size, shard_numel) chunk-concatenated gradients
-    output: torch.Tensor  # 1-D, this rank's reduced (and pre-divided) flat shard
-    post_divide: float | None  # applied once every reduction, all-reduce included, is done
-    all_reduce_op: dist.ReduceOp.RedOpType  # HSDP: the op for the all-reduce across replicas
-    what: str = "reduce-scatter"  # for error messages
-    event: CollectiveEvent | None = None
+    post_divide: float | None = None  # applied once every reduction, all-reduce included, is done
+    all_reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM  # HSDP: the op for the all-reduce across replicas
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            _wait(self.work, self.what)
-            self.work = None
-        _finish(self.event)
-        self.event = None
         self.input = None
-        return self.output
+        return super().wait()
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str) -> None:
@@ -210,6 +202,14 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     dist.broadcast(tensor, src, group=group)
 
 
+def _buffer(custom: Any, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D communication buffer; ``custom`` (torch's Comm API): the user allocates it."""
+    if custom is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buffer: torch.Tensor = custom.allocate((numel,), dtype=dtype, device=device)
+    return buffer
+
+
 def all_gather(
     shards: list[torch.Tensor],
     shard_numels: list[int],
@@ -221,7 +221,7 @@ def all_gather(
     async_op: bool,
     what: str = "all-gather",
     custom: Any = None,
-) -> AllGatherWork:
+) -> CollectiveWork:
     """Pack ``shards`` (each padded to its ``shard_numels`` entry) into this rank's slot
     (``rank`` in ``group``) of the output and all-gather in place.
 
@@ -229,24 +229,19 @@ def all_gather(
     of the unsharded buffers, which no user ever sees.
     """
     total = sum(shard_numels)
-    if custom is not None:  # torch's Comm API: the user allocates and communicates
-        out = custom.allocate((total * world_size,), dtype=dtype, device=device)
-    else:
-        out = torch.empty(total * world_size, dtype=dtype, device=device)
+    out = _buffer(custom, total * world_size, dtype, device)
     inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
-    slots = [
-        flat[: s.numel()] for flat, s in zip(torch.split(inp, shard_numels), shards)
-    ]
+    slots = [flat[: s.numel()] for flat, s in zip(torch.split(inp, shard_numels), shards)]
     if slots:
         torch._foreach_copy_(slots, [s.reshape(-1) for s in shards])
     if world_size == 1:
-        return AllGatherWork(None, inp, out, world_size, what)
+        return CollectiveWork(None, inp, out, world_size, what)
     if custom is not None:
         call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=async_op)  # noqa: E731
     else:
         call = lambda: getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)  # noqa: E731
     work, event = _issue("all_gather", what, group, inp, call)
-    return AllGatherWork(work, inp, out, world_size, what, event)
+    return CollectiveWork(work, inp, out, world_size, what, event)
 
 
 def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
@@ -313,21 +308,15 @@ def reduce_scatter(
     # (world_size, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded,
     # cast to the reduce dtype on the way (no separate cast copy)
     cols = sum(math.ceil(g.shape[0] / world_size) * math.prod(g.shape[1:]) for g in grads)
-    device = grads[0].device
-    if custom is not None and world_size > 1:  # torch's Comm API
-        inp = custom.allocate((world_size * cols,), dtype=dtype, device=device).view(world_size, cols)
-    else:
-        inp = torch.empty(world_size, cols, dtype=dtype, device=device)
+    device, custom = grads[0].device, custom if world_size > 1 else None
+    inp = _buffer(custom, world_size * cols, dtype, device).view(world_size, cols)
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=inp)
     if pre is not None and pre != 1:
         inp.div_(pre)
-    if custom is not None and world_size > 1:
-        out = custom.allocate((cols,), dtype=dtype, device=device)
-    else:
-        out = torch.empty(cols, dtype=dtype, device=device)
+    out = _buffer(custom, cols, dtype, device)
     if world_size == 1:
         out.copy_(inp.view(-1))
-        return ReduceScatterWork(None, inp, out, post, op, what)
+        return ReduceScatterWork(None, inp, out, world_size, what, None, post, op)
     flat = inp.view(-1)
     work, event = _issue(
         "reduce_scatter",
@@ -338,4 +327,4 @@ def reduce_scatter(
         if custom is not None
         else (lambda: getattr(dist, _REDUCE_SCATTER)(out, flat, op=op, group=group, async_op=async_op)),
     )
-    return ReduceScatterWork(work, inp, out, post, op, what, event)
+    return ReduceScatterWork(work, inp, out, world_size, what, event, post, op)

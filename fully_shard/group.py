@@ -56,7 +56,7 @@ class ParamGroup:
         self._gather_buckets = _buckets([p for p in params if not p.extension], lambda p: p.unsharded_dtype)
         self._ext = [p for p in params if p.extension]  # subclasses that all-gather themselves
         self._ext_slots: list[int] = []  # their inputs' per-rank slots, in bytes
-        self._all_gathers: list[comm.AllGatherWork] = []  # in flight while UNSHARDING
+        self._all_gathers: list[comm.CollectiveWork] = []  # in flight while UNSHARDING
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
         # HSDP with the all-reduce off: reduce-scatter outputs awaiting the all-reduce
         self._partials: dict[tuple[int, ...], torch.Tensor] = {}
@@ -99,64 +99,34 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
-    def _issue_all_gathers(self) -> list[comm.AllGatherWork]:
-        if self.state is GroupState.SHARDED:
-            return self._plain_all_gathers() + self._ext_all_gathers()
-        pf = self.post_forward
-        assert pf is not None
-        works = [
-            comm.all_gather(
-                [p.post_forward_slice for p in bucket],  # type: ignore[misc]
-                [p.post_forward_numel(pf.size) for p in bucket],
-                pf.group,
-                pf.size,
-                pf.rank,
-                bucket[0].unsharded_dtype,
-                self.device,
-                async_op=True,
-                what=f"backward all-gather of {self.label}'s parameters within {pf.size} ranks",
-                custom=self.all_gather_comm,
-            )
-            for bucket in self._gather_buckets
-        ]
-        for p in self.params:
-            p.post_forward_slice = None  # packed into the all-gather input
+    def _issue_all_gathers(self) -> list[comm.CollectiveWork]:
+        """One all-gather per unsharded dtype (and one, of bytes, for the subclasses that
+        gather themselves); from POST_FORWARD, of the kept slices within the k ranks."""
+        pf, info = self.post_forward, self.mesh_info
+
+        def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str) -> comm.CollectiveWork:
+            group, size, rank = (info.shard_group, info.shard_size, info.shard_rank) if pf is None else (pf.group, pf.size, pf.rank)
+            return comm.all_gather(shards, numels, group, size, rank, dtype, self.device, async_op=True, what=what, custom=self.all_gather_comm)
+
+        if pf is not None:  # POST_FORWARD
+            works = [
+                gather([p.post_forward_slice for p in b], [p.post_forward_numel(pf.size) for p in b], b[0].unsharded_dtype,
+                       f"backward all-gather of {self.label}'s parameters within {pf.size} ranks")
+                for b in self._gather_buckets
+            ]
+            for p in self.params:
+                p.post_forward_slice = None  # packed into the all-gather input
+            return works
+        what = f"all-gather of {self.label}'s parameters"
+        works = [gather([p.local_shard for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what) for b in self._gather_buckets]
+        if self._ext:
+            inputs, self._ext_slots = [], []
+            for p in self._ext:
+                flats, slots = p.ext_all_gather_inputs()
+                inputs += flats
+                self._ext_slots += slots
+            works.append(gather(inputs, self._ext_slots, torch.uint8, f"all-gather of {self.label}'s tensor-subclass parameters"))
         return works
-
-    def _plain_all_gathers(self) -> list[comm.AllGatherWork]:
-        info = self.mesh_info
-        return [
-            comm.all_gather(
-                [p.local_shard for p in bucket],
-                [p.shard_numel for p in bucket],
-                info.shard_group,
-                info.shard_size,
-                info.shard_rank,
-                bucket[0].unsharded_dtype,
-                self.device,
-                async_op=True,
-                what=f"all-gather of {self.label}'s parameters",
-                custom=self.all_gather_comm,
-            )
-            for bucket in self._gather_buckets
-        ]
-
-    def _ext_all_gathers(self) -> list[comm.AllGatherWork]:
-        """One all-gather, of bytes, for every input the subclasses' fsdp_pre_all_gather made."""
-        if not self._ext:
-            return []
-        inputs, self._ext_slots = [], []
-        for p in self._ext:
-            flats, slots = p.ext_all_gather_inputs()
-            inputs += flats
-            self._ext_slots += slots
-        info = self.mesh_info
-        return [
-            comm.all_gather(
-                inputs, self._ext_slots, info.shard_group, info.shard_size, info.shard_rank, torch.uint8, self.device,
-                async_op=True, what=f"all-gather of {self.label}'s tensor-subclass parameters", custom=self.all_gather_comm,
-            )
-        ]
 
     def wait_for_unshard(self) -> None:
         """Finish an issued all-gather: copy out and point the modules at full parameters."""

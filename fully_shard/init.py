@@ -93,7 +93,7 @@ def _init_on_full(module: nn.Module, fn: Callable[[nn.Module], None], sharded: d
                 "initialise it with DTensor operations after model.to_empty()"
             )
         full = torch.empty(sp.size, dtype=sp.dtype, device=sp.device)
-        module._parameters[name] = nn.Parameter(full, requires_grad=p.requires_grad)  # type: ignore[union-attr]
+        module._parameters[name] = nn.Parameter(full, requires_grad=p.requires_grad)
         swapped.append((name, sp))
     try:
         fn(module)

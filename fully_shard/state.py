@@ -18,6 +18,7 @@ from enum import Enum, auto
 import dataclasses
 import functools
 import sys
+from types import FrameType
 from typing import Any, Callable
 
 import torch
@@ -127,12 +128,12 @@ class _PostBackward(torch.autograd.Function):
     which is when the module's own backward has finished."""
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, root: RootContext, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, state: FSDPState, root: RootContext, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state, ctx.root = state, root
         return inputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state.post_backward(ctx.root)
         return (None, None, *grads)
 
@@ -310,7 +311,7 @@ class FSDPState:
         """
         mine = set(self.modules)
         outer: nn.Module | None = None
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             obj = frame.f_locals.get("self")
             if isinstance(obj, nn.Module) and obj not in mine and obj is not outer:
@@ -561,36 +562,21 @@ class FSDPState:
 
 
 def _register_state_dict_hooks(group: ParamGroup) -> None:
-    """``load_state_dict`` of full tensors, and ``assign=True``, for sharded parameters.
+    """``state_dict()`` and ``load_state_dict()`` (full tensors, ``assign=True``) of sharded
+    parameters, on every module that registers one of the group's parameters.
 
-    Before loading, a full (plain) tensor under a sharded parameter's key becomes this
-    rank's shard; after an ``assign=True`` load, the newly assigned DTensor parameter
-    becomes the group's sharded parameter.
+    Saving between forward and backward, when the full parameters are registered, saves
+    the shards. Before loading, the group is resharded (the loaded values go into the
+    shards; the next use gathers them) and a full (plain) tensor under a sharded
+    parameter's key becomes this rank's shard; after an ``assign=True`` load, the newly
+    assigned DTensor parameter becomes the group's sharded parameter.
     """
     by_module: dict[int, tuple[nn.Module, dict[str, ShardedParam]]] = {}
     for sp in group.params:
         for m, name in sp.uses:
             by_module.setdefault(id(m), (m, {}))[1][name] = sp
-    for module, params in by_module.values():
-
-        def pre_hook(m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params) -> None:
-            for name, sp in params.items():
-                key = prefix + name
-                value = state_dict.get(key)
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    state_dict[key] = sp.full_to_sharded(value, key)
-
-        def post_hook(m: nn.Module, incompatible: Any, params: dict[str, ShardedParam] = params) -> None:
-            for name, sp in params.items():
-                current = m._parameters.get(name)
-                if current is not None and current is not sp.sharded_param and isinstance(current, DTensor):
-                    sp.adopt(current)
-
-        module.register_load_state_dict_pre_hook(pre_hook)
-        module.register_load_state_dict_post_hook(post_hook)
 
     def save_pre_hook(m: nn.Module, prefix: str, keep_vars: bool) -> None:
-        # between forward and backward the full parameters are registered: save the shards
         if group.is_unsharded:
             for sp in group.params:
                 sp.register(unsharded=False)
@@ -600,14 +586,26 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
             for sp in group.params:
                 sp.register(unsharded=True)
 
-    def load_pre_hook(m: nn.Module, *args: Any) -> None:
-        if group.state is not GroupState.SHARDED:
-            group.reshard()  # loaded values go into the shards; the next use gathers them
+    for module, params in by_module.values():
 
-    for m in {id(m): m for sp in group.params for m, _ in sp.uses}.values():
-        m.register_state_dict_pre_hook(save_pre_hook)
-        m.register_state_dict_post_hook(save_post_hook)
-        m.register_load_state_dict_pre_hook(load_pre_hook)
+        def load_pre_hook(m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params) -> None:
+            if group.state is not GroupState.SHARDED:
+                group.reshard()
+            for name, sp in params.items():
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    state_dict[prefix + name] = sp.full_to_sharded(value, prefix + name)
+
+        def load_post_hook(m: nn.Module, incompatible: Any, params: dict[str, ShardedParam] = params) -> None:
+            for name, sp in params.items():
+                current = m._parameters.get(name)
+                if current is not None and current is not sp.sharded_param and isinstance(current, DTensor):
+                    sp.adopt(current)
+
+        module.register_state_dict_pre_hook(save_pre_hook)
+        module.register_state_dict_post_hook(save_post_hook)
+        module.register_load_state_dict_pre_hook(load_pre_hook)
+        module.register_load_state_dict_post_hook(load_post_hook)
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
@@ -630,13 +628,13 @@ def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
             object.__setattr__(obj, name, value)
         return obj
     if isinstance(obj, dict):
-        items = {k: _map_tensors(fn, v) for k, v in obj.items()}
-        if all(items[k] is v for k, v in obj.items()):
+        mapped = {k: _map_tensors(fn, v) for k, v in obj.items()}
+        if all(mapped[k] is v for k, v in obj.items()):
             return obj
         try:
-            return type(obj)(items)
+            return type(obj)(mapped)
         except TypeError:  # a dict subclass that cannot be rebuilt: update in place
-            obj.update(items)
+            obj.update(mapped)
             return obj
     if isinstance(obj, (list, tuple)):
         items = [_map_tensors(fn, v) for v in obj]
@@ -657,7 +655,7 @@ def _to_device(tree: Any, device: torch.device) -> Any:
 
 
 def state_of(module: nn.Module) -> FSDPState:
-    state = getattr(module, STATE_ATTR, None)
+    state: FSDPState | None = getattr(module, STATE_ATTR, None)
     if state is None:
         raise RuntimeError(f"{type(module).__name__} is not managed by fully_shard")
     return state

@@ -11,7 +11,7 @@ On a device with streams (CUDA and alike) fully_shard overlaps communication wit
 
 No buffer is ever handed to ``Tensor.record_stream``: a buffer used on another stream than
 the one it was allocated on stays referenced by Python until an event proves its last
-consumer finished (``Held``). On the CPU every method is a no-op and the code path is the
+consumer finished (``Streams.hold_all_gather``). On the CPU every method is a no-op and the code path is the
 same. Tests pass a recording double to ``Streams`` (``Backend``).
 """
 
@@ -70,14 +70,6 @@ def accelerator_type() -> str:
     return accelerator.type if accelerator is not None else "cuda"
 
 
-class Held:
-    """Buffers kept alive until ``stream`` has waited for ``event`` (their last use)."""
-
-    def __init__(self, buffers: tuple[Any, ...], event: Any) -> None:
-        self.buffers = buffers
-        self.event = event
-
-
 class Streams:
     """The side streams of one root, or no-ops on a device without streams."""
 
@@ -91,7 +83,9 @@ class Streams:
         if backend is not None:
             self.copy_in = backend.new_stream(device, "copy_in")
             self.reduce_scatter = backend.new_stream(device, "reduce_scatter")
-        self._held_all_gather: Held | None = None  # the last all-gather output, until copy-in may reuse it
+        # the last all-gather's buffers, kept alive until the copy-in stream has waited for
+        # the event recorded after their last use: then it may reuse their memory
+        self._held_all_gather: tuple[tuple[Any, ...], Any] | None = None
 
     def current(self) -> Any:
         return self.backend.current_stream(self.device) if self.backend is not None else None
@@ -127,14 +121,14 @@ class Streams:
         if self.backend is None:
             return
         self.release_all_gather()
-        self._held_all_gather = Held(buffers, self.record())
+        self._held_all_gather = (buffers, self.record())
 
     def release_all_gather(self) -> None:
         """Before the copy-in stream allocates again: wait for the held buffers' last use,
         then drop them."""
         held, self._held_all_gather = self._held_all_gather, None
         if held is not None and self.backend is not None:
-            self.backend.wait_event(self.copy_in, held.event)
+            self.backend.wait_event(self.copy_in, held[1])
 
     def wait_for_optimizer(self, post_optim_event: Any) -> None:
         """The first copy-in of an iteration waits for the optimizer step: for the user's
