@@ -110,7 +110,7 @@ class ParamGroup:
 
         if pf is not None:  # POST_FORWARD
             works = [
-                gather([p.post_forward_slice for p in b], [p.post_forward_numel(pf.size) for p in b], b[0].unsharded_dtype,
+                gather([p.post_forward_slice for p in b], [p.unsharded_numel // pf.size for p in b], b[0].unsharded_dtype,
                        f"backward all-gather of {self.label}'s parameters within {pf.size} ranks")
                 for b in self._gather_buckets
             ]

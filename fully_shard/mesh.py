@@ -37,15 +37,11 @@ class MeshInfo:
 
     @property
     def device(self) -> torch.device:
-        return mesh_device(self.mesh.device_type)
-
-
-def mesh_device(device_type: str) -> torch.device:
-    """The current device of ``device_type`` (``cpu``, or the current accelerator index)."""
-    if device_type == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, device_type)
-    return torch.device(device_type, module.current_device())
+        """The current device of the mesh's type (``cpu``, or the current accelerator index)."""
+        device_type = self.mesh.device_type
+        if device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(device_type, getattr(torch, device_type).current_device())
 
 
 def default_mesh() -> DeviceMesh:

@@ -302,9 +302,6 @@ class ShardedParam:
         split = self._padded_unsharded.view(*size[:d], world, size[d] // world, *size[d + 1 :])
         return split.movedim(d, 0)
 
-    def post_forward_numel(self, k: int) -> int:
-        return self.unsharded_numel // k
-
     def keep_post_forward_slice(self, k: int, index: int) -> None:
         """Keep this rank's 1/k of the padded full parameter before it is freed."""
         assert self._padded_unsharded is not None
