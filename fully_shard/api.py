@@ -7,6 +7,7 @@ import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Callable, Literal
 
 import torch
@@ -82,9 +83,9 @@ class _ReplacedParameter(nn.Parameter):
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         owner: _Owner = self.__dict__[OWNER_ATTR]
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)  # the optimizer reading it, if one is
         while frame is not None and not isinstance(frame.f_locals.get("self"), torch.optim.Optimizer):
-            frame = frame.f_back  # type: ignore[assignment]
+            frame = frame.f_back
         who = type(frame.f_locals["self"]).__name__ if frame is not None else "This code"
         raise RuntimeError(
             f"{who} holds parameter {owner.fqn!r} of {owner.label} as it was before fully_shard "

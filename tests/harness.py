@@ -209,8 +209,7 @@ def _reset_distributed_state(store: Any, state: dict[str, int], rank: int, world
         _init_default_group(store, state["generation"], rank, world_size)
         return
     # Sub-groups from earlier tests stay alive: torch's DeviceMesh caches the groups it
-    # creates per layout, and fully_shard caches its reshard_after_forward=k groups, so
-    # destroying them would leave those caches pointing at dead groups.
+    # creates per layout, so destroying them would leave that cache pointing at dead groups.
     c10d._world.pg_coalesce_state.clear()
     try:
         from torch.distributed.device_mesh import _mesh_resources
