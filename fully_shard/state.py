@@ -195,7 +195,7 @@ class FSDPState:
         inputs cast and the group gathered (the chunked-loss pattern calls ``head`` once per
         chunk); a member that ends without closing the pass only gets its output cast. A
         pass that some member never joins (the model's forward skips ``head``) is closed by
-        the root's post-forward (``_complete_open_passes``), and passes opened by members
+        the root's post-forward (``_root_post_forward``), and passes opened by members
         called outside the root's forward are closed at the end of backward.
         """
         if len(self.modules) == 1:
@@ -207,7 +207,12 @@ class FSDPState:
         @_not_traced
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if self.training_state is TrainingState.FORWARD:
-                return self._member_pre_forward(args, kwargs)
+                # another member of the open pass: the group is gathered (again, after a reshard
+                # in between, e.g. an explicit reshard()) and the member's inputs cast
+                with record_function("fully_shard::pre_forward"):
+                    if self.group is not None:
+                        self.group.unshard()
+                    return self._cast_inputs(args, kwargs)
             if self.training_state is not TrainingState.PRE_BACKWARD:  # not a recomputation
                 self.to_run = set(self.modules)
             return self._pre_forward_hook(module, args, kwargs)
@@ -230,14 +235,6 @@ class FSDPState:
         for module in self.modules:
             module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_hook, prepend=False)
-
-    def _member_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """Another member of a group whose pass is open: the group is gathered (a reshard
-        in between, e.g. an explicit ``reshard()``, gathers it again) and its inputs cast."""
-        with record_function("fully_shard::pre_forward"):
-            if self.group is not None:
-                self.group.unshard()
-            return self._cast_inputs(args, kwargs)
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         mp = self.mp_policy
@@ -363,16 +360,14 @@ class FSDPState:
             if self.is_root:
                 args, kwargs = self._root_pre_forward(ctx, args, kwargs)
             self.move_to(TrainingState.FORWARD)
-            grad_enabled = torch.is_grad_enabled()
             if self.group is not None:
                 # gather this group, then issue the next one's all-gather: it overlaps with this
                 # group's compute, and at most two groups' buffers are alive
                 self.group.unshard()
                 self._prefetch(self._forward_prefetch_targets(ctx))
-                if grad_enabled:
-                    self.group.needs_post_backward = True
             ctx.forward_order.append(self)
-            if grad_enabled and self.group is not None:
+            if torch.is_grad_enabled() and self.group is not None:
+                self.group.needs_post_backward = True
                 args, kwargs = self._hook_inputs(ctx, args, kwargs)
         return args, kwargs
 
@@ -435,24 +430,20 @@ class FSDPState:
         )
 
     def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
-        """Close the passes of groups some member of which did not run, then reshard groups
-        prefetched for a module that did not run this time."""
-        output = self._complete_open_passes(ctx, output)
-        ran = {id(s) for s in ctx.forward_order}
-        for state in ctx.states:
-            if state.group is not None and state.group.is_unsharded and id(state) not in ran:
-                state.group.reshard()
-        return output
+        """Close the open passes, then reshard groups prefetched for a module that did not run.
 
-    def _complete_open_passes(self, ctx: RootContext, output: Any) -> Any:
-        """A group whose forward pass is still open when the root's forward ends has a member
-        the model's forward skipped (called later on its own, or not at all): finish its
-        post-forward now, as if it ended with the root. Its backward then starts when the
-        root's output gets its gradient (innermost groups first, as nested post-forwards
+        A group whose forward pass is still open when the root's forward ends has a member
+        the model's forward skipped (called later on its own, or not at all): its
+        post-forward runs now, as if it ended with the root. Its backward then starts when
+        the root's output gets its gradient (innermost groups first, as nested post-forwards
         would have run)."""
         for state in reversed(ctx.states):
             if state is not self and state.to_run and state.training_state is TrainingState.FORWARD:
                 output = state.post_forward(output)
+        ran = {id(s) for s in ctx.forward_order}
+        for state in ctx.states:
+            if state.group is not None and state.group.is_unsharded and id(state) not in ran:
+                state.group.reshard()
         return output
 
     def _forward_prefetch_targets(self, ctx: RootContext) -> list[FSDPState]:
