@@ -328,6 +328,3 @@ class PendingReduce:
     reductions: list[tuple[comm.ReduceScatterWork, list[ShardedParam]]]
     all_reduce: bool  # HSDP: whether to all-reduce across replicas when it lands
     held: list[torch.Tensor]  # the unsharded gradients, read on the reduce-scatter stream
-
-    def finish(self) -> None:
-        self.group.finish_reduce(self)

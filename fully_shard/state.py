@@ -80,7 +80,7 @@ class RootContext:
     def finish_reduce(self) -> None:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is not None:
-            pending.finish()
+            pending.group.finish_reduce(pending)
 
     def queue_finalize(self) -> None:
         """Once per backward: have autograd call ``finalize_backward`` when it is done."""
