@@ -83,6 +83,12 @@ def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
     ours = muon["steps"][0]["result"]["impls"]["fully_shard.optim.Muon"]
     assert ours["collectives"] == 2, ours  # one bucket: one all-to-all each way
     assert all(p["sent_bytes_rank0"] == p["expected_sent_bytes_rank0"] for p in muon["simulation"]["points"])
+    for p in muon["simulation"]["points"]:
+        # every rank's bytes summed from the layout equal 2 (W-1)/W x matrix bytes when the rows
+        # divide by W (each owner then holds 1/W of its matrix); exact integer arithmetic
+        if p["rows_divide"]:
+            assert p["predicted_total_bytes"] == p["analytic_all_ranks_bytes"], p
+        assert "collectives" in p["torch_muon"] or "error" in p["torch_muon"], p["torch_muon"]
 
     md = mds[0].read_text()
     for heading in (

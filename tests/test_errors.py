@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import fully_shard
+
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
@@ -381,6 +383,7 @@ def test_cast_to_float64_after_fully_shard() -> None:
 def test_deepcopy_of_sharded_model() -> None:
     _expect_error(_case_deepcopy, RuntimeError, "deepcopy", "before calling fully_shard")
     _expect_error(_case_deepcopy, AssertionError, "deepcopy")  # torch FSDP2's type, too
+    _expect_error(_case_deepcopy, fully_shard.ShardedDeepcopyError, "deepcopy")  # exported: users can catch it
 
 
 def test_deepcopy_of_model_with_sharded_blocks() -> None:
@@ -390,6 +393,7 @@ def test_deepcopy_of_model_with_sharded_blocks() -> None:
 def test_fully_shard_twice_on_one_module() -> None:
     _expect_error(_case_fully_shard_twice, ValueError, "already", "once")
     _expect_error(_case_fully_shard_twice, AssertionError, "already")  # torch FSDP2's type, too
+    _expect_error(_case_fully_shard_twice, fully_shard.ShardedUsageError, "already")  # exported: users can catch it
 
 
 def test_top_down_application_says_bottom_up() -> None:
