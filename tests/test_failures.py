@@ -28,7 +28,7 @@ from fully_shard import fully_shard
 from fully_shard.comm import CollectiveError
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
-from tests.oracle import ShardwiseOptimizer
+from tests.oracle import ShardwiseOptimizer, average_gradients
 
 ARGS = ModelArgs(n_layers=3)
 
@@ -105,8 +105,7 @@ def _recover_and_train() -> dict[str, Any]:
         if fail is None:  # the reference skips the failed steps
             loss = loss_fn(ref(x), x)
             loss.backward()
-            for p in ref.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            average_gradients(ref)
             ref_opt.step()
             ref_opt.zero_grad()
             losses["ref"].append(loss.item())

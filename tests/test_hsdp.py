@@ -19,6 +19,7 @@ from fully_shard import fully_shard
 from tests.collectives import CollectiveRecorder
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.oracle import REF_TOL, check_parameters, close, placements_like_torch, train_step
 
 # name -> (mesh shape, reshard_after_forward)
 CONFIGS = {
@@ -47,38 +48,20 @@ def _train(config: str, steps: int) -> list[str]:
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
     _shard(ours, fully_shard, mesh, reshard)
     _shard(theirs, torch_fully_shard, mesh, reshard)
-    models = (ref, ours, theirs)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    models = {"ref": ref, "ours": ours, "torch": theirs}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
     for step in range(steps):
-        x = batch(step, dist.get_rank())
-        losses = []
-        for model, opt in zip(models, opts):
-            loss = loss_fn(model(x), x)
-            loss.backward()
-            if model is ref:
-                for p in ref.parameters():
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss)
+        losses = train_step(models, opts, batch(step, dist.get_rank()), loss_fn)
         # vs torch's FSDP2, bitwise on any CPU: the same flat layout (params in post-order), the same
         # reduce-scatter and all-reduce over the same buffers in one process: gloo's order by construction
-        torch.testing.assert_close(losses[1], losses[2], rtol=0, atol=0)
+        close(losses["ours"], losses["torch"], 0.0, f"step {step} loss vs torch FSDP2")
         # vs all-reduce over 4 ranks: gloo sums in another order, fp32 rounding
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-    placements = []
-    for (name, p_ref), p, tp in zip(ref.named_parameters(), ours.parameters(), theirs.parameters()):
-        assert p.placements == tp.placements and p.to_local().shape == tp.to_local().shape, name
-        # bitwise on any CPU: bitwise gradients (above) and AdamW over the same shard shapes
-        torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
-        # AdamW divides by sqrt(v): a near-zero gradient's last-bit difference moves a weight ~1e-5
-        torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
-        placements.append(f"{name}: {p.placements}")
-    sd, tsd = ours.state_dict(), theirs.state_dict()
-    assert list(sd) == list(tsd)
-    for key in sd:
-        assert sd[key].placements == tsd[key].placements, key
-    return placements
+        close(losses["ours"], losses["ref"], REF_TOL["loss"], f"step {step} loss vs reference")
+    # parameters: bitwise torch FSDP2's on any CPU (bitwise gradients, as the losses above, and
+    # AdamW over the same shard shapes); AdamW divides by sqrt(v): a near-zero gradient's
+    # last-bit difference moves a weight ~1e-5 from the reference (REF_TOL["param"])
+    check_parameters(ref, ours, theirs, REF_TOL["param"])
+    return placements_like_torch(ours, theirs)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
