@@ -150,17 +150,19 @@ def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     dist.all_gather_object(per_rank, statistics.median(times))
     out["all_gather_s"] = max(per_rank)
     # and the two all-to-alls alone, replayed with the split sizes of the round trip, no copies
-    with _SplitRecorder() as rec:
+    from tests.collectives import CollectiveRecorder
+
+    with CollectiveRecorder() as rec:
         for stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
             result.copy_(stack)
-    buffers = [(torch.empty(sum(c["output_splits"]), dtype=torch.bfloat16), torch.zeros(sum(c["input_splits"]), dtype=torch.bfloat16), c)
-               for c in rec.calls]
+    buffers = [(torch.empty(sum(c.output_splits), dtype=torch.bfloat16), torch.zeros(sum(c.input_splits), dtype=torch.bfloat16), c)
+               for c in _all_to_alls(rec)]
     times = []
     for _ in range(samples):
         dist.barrier()
         start = time.perf_counter()
         for o, i, c in buffers:
-            dist.all_to_all_single(o, i, c["output_splits"], c["input_splits"])
+            dist.all_to_all_single(o, i, list(c.output_splits), list(c.input_splits))
         times.append(time.perf_counter() - start)
     dist.all_gather_object(per_rank, statistics.median(times))
     out["all_to_all_raw_s"] = max(per_rank)
@@ -181,30 +183,15 @@ def _flops_per_rank(shapes: list[tuple[int, ...]], world: int) -> dict[str, Any]
     return {"max_per_rank": max(per_rank), "ideal_per_rank": sum(costs) / world, "largest_matrix": max(costs)}
 
 
-class _SplitRecorder:
-    """Wraps ``dist.all_to_all_single`` to record its split sizes (bytes that leave the rank)."""
+def _all_to_alls(rec: Any) -> list[Any]:
+    """The all-to-alls a ``tests.collectives.CollectiveRecorder`` saw, with their split sizes."""
+    return [r for r in rec.collectives() if r.kind == "all_to_all"]
 
-    def __init__(self) -> None:
-        self.calls: list[dict[str, int]] = []
 
-    def __enter__(self) -> _SplitRecorder:
-        self._orig = dist.all_to_all_single
-
-        def wrapper(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None, input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
-            rank = dist.get_rank(group)
-            size = input.element_size()
-            self.calls.append(
-                {"sent_bytes": (sum(input_split_sizes) - input_split_sizes[rank]) * size,
-                 "received_bytes": (sum(output_split_sizes) - output_split_sizes[rank]) * size,
-                 "input_splits": list(input_split_sizes), "output_splits": list(output_split_sizes)}
-            )
-            return self._orig(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-        dist.all_to_all_single = wrapper  # type: ignore[assignment]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.all_to_all_single = self._orig  # type: ignore[assignment]
+def _sent_bytes(record: Any, rank: int) -> int:
+    """Bytes of an all-to-all that leave ``rank`` (its own split stays)."""
+    size = torch.empty((), dtype=getattr(torch, record.dtype)).element_size()
+    return (sum(record.input_splits) - record.input_splits[rank]) * size
 
 
 def predicted_sent_bytes(shapes: list[tuple[int, int]], world: int, element_size: int = 2) -> list[int]:
@@ -278,6 +265,7 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fully_shard.optim.owned import _bucket, matrix_layout, newton_schulz_flops, owned_matrices_local
+    from tests.collectives import CollectiveRecorder
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -294,18 +282,20 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
         layouts = [matrix_layout(p, f"m{i}") for i, p in enumerate(params)]
         inputs = [p.to_local() for p in params]
         outs = [torch.empty(t.shape, dtype=torch.bfloat16) for t in inputs]
-        with _SplitRecorder() as rec:
+        with CollectiveRecorder() as rec:
             for stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
                 result.zero_()  # the fake group moves no data; the transform is not the point here
         _, buckets = _bucket(layouts, newton_schulz_flops)
         predicted = predicted_sent_bytes(shapes, world)  # every rank, from the layout
         matrix_bytes = sum(s[0] * s[1] for s in shapes) * 2
+        calls = _all_to_alls(rec)
+        measured = sum(_sent_bytes(c, 0) for c in calls)
         return {
             "world": world,
             "matrices": len(shapes),
-            "collectives_rank0": len(rec.calls),
+            "collectives_rank0": len(calls),
             "buckets": len(buckets),
-            "sent_bytes_rank0": sum(c["sent_bytes"] for c in rec.calls),
+            "sent_bytes_rank0": measured,
             "expected_sent_bytes_rank0": predicted[0],
             "predicted_total_bytes": sum(predicted),
             "analytic_all_ranks_bytes": 2 * (world - 1) / world * matrix_bytes,

@@ -2,7 +2,8 @@
 
 No timing assertions: the run succeeds, the Markdown and JSON results hold every section and
 key that docs/benchmarks.md describes, and the byte counts that are exact by construction
-(the simulated steps against the analytic formulas) are equal.
+are equal: the recorded step's collectives, fully_shard's sharded parameters and the
+simulated steps against the analytic formulas, Muon's bytes against its layout.
 """
 
 from __future__ import annotations
@@ -51,13 +52,23 @@ def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
         assert res["step_time"][impl]["median_s"] > 0, impl
     assert {"median", "min", "max", "pairs"} <= set(res["ratio"])
     assert {"fully_shard", "torch_fsdp2", "ddp"} <= set(res["final_loss"])
+    analytic = res["analytic"]
     for impl in ("fully_shard", "torch_fsdp2"):
         got = res["collectives"][impl]
         assert got["forward"]["all_gather"]["count"] > 0
         assert got["backward"]["reduce_scatter"]["input_bytes"] > 0
-    assert "collectives" in res["analytic"]
+        # the recorded step's collectives equal the analytic formulas (fp32, reshard_after_forward=True)
+        measured = {
+            phase: {kind: {"count": k["count"], "input_bytes": k["input_bytes"]} for kind, k in kinds.items()}
+            for phase, kinds in got.items()
+            if kinds
+        }
+        assert measured == analytic["collectives"], (impl, measured, analytic["collectives"])
     mem = res["memory_per_rank"]
     assert len(mem) == 2
+    for rank in range(2):
+        # fully_shard's sharded parameters are exactly the analytic bytes of this rank's shards
+        assert mem[rank]["fully_shard"]["state_bytes"]["params"] == analytic["state_bytes_per_rank"][rank]["params"], rank
     for impl in ("fully_shard", "torch_fsdp2", "ddp"):
         assert mem[0][impl]["peak_bytes"] > 0, impl
         assert {"params", "grads", "optimizer", "other"} <= set(mem[0][impl]["at_peak"])

@@ -258,11 +258,23 @@ def _case_reset_iter_state_non_root() -> None:
 
 def _case_reset_iter_state_root_before_forward() -> None:
     """E.g. the data loader raised in the first iteration, before any forward: resetting
-    the root has nothing to undo and must not claim it is not the root."""
+    the root has nothing to undo and must not claim it is not the root; the first step
+    then is the step of a model that was never reset."""
+    torch.manual_seed(0)
     model = _shard_nested(Transformer(ARGS))
     model.reset_iter_state()
+    torch.manual_seed(0)
+    never_reset = _shard_nested(Transformer(ARGS))
     x = batch(0, 0)
-    loss_fn(model(x), x).backward()
+    losses = []
+    for m in (model, never_reset):
+        loss = loss_fn(m(x), x)
+        loss.backward()
+        losses.append(loss)
+    # bitwise on any CPU: the same model and batch on one rank, the same arithmetic
+    assert torch.equal(losses[0], losses[1]), losses
+    for (name, p), q in zip(model.named_parameters(), never_reset.parameters()):
+        assert p.grad is not None and torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
 
 
 def _case_setter_bad_values(which: str) -> None:

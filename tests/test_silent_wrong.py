@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from tests.harness import device, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.oracle import average_gradients, rows
 
 ARGS = ModelArgs(vocab_size=37, dim=24, n_layers=3, n_heads=4, ffn_dim=40, max_seq_len=8)
 RTOL, ATOL = 1e-5, 1e-6  # fp32, different summation order (see the module docstring)
@@ -143,21 +144,6 @@ def _shard(model: CutTransformer, reshard: list[bool | None] | None = None) -> C
     return model
 
 
-def _average_grads(ref: nn.Module) -> None:
-    grads = [p.grad for p in ref.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG)  # one collective: AVG is elementwise
-    for g, avg in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(avg.view_as(g))
-
-
-def _rows(t: Any) -> torch.Tensor:
-    """This rank's rows of a full tensor (Shard(0), ``torch.chunk`` semantics)."""
-    chunks = t.chunk(dist.get_world_size())
-    rank = dist.get_rank()
-    return chunks[rank] if rank < len(chunks) else t[:0]
-
-
 def _mismatches(ours: nn.Module, ref: nn.Module, what: str) -> list[str]:
     """Every parameter and gradient of ``ours`` (this rank's shard) against the oracle's
     rows: no communication, and every rank checks its own rows."""
@@ -170,7 +156,7 @@ def _mismatches(ours: nn.Module, ref: nn.Module, what: str) -> list[str]:
             if a is None:
                 continue
             try:
-                torch.testing.assert_close(a.to_local(), _rows(b), rtol=RTOL, atol=ATOL)
+                torch.testing.assert_close(a.to_local(), rows(b), rtol=RTOL, atol=ATOL)
             except AssertionError as exc:
                 out.append(f"{what}: {kind} of {name}: {str(exc).splitlines()[-2:]}")
     return out
@@ -190,7 +176,7 @@ def _run_pattern(name: str, steps: int = 2) -> list[str]:
                 torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
             except AssertionError as exc:
                 errors.append(f"step {step}: the pattern's result differs: {exc}")
-        _average_grads(ref)
+        average_gradients(ref)
         errors += _mismatches(ours, ref, f"step {step} after backward")
         opt.step()
         opt_ref.step()
@@ -260,7 +246,7 @@ def _draw(seed: int) -> list[str]:
                 torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
         for m in fsdp_modules:
             m.reshard()  # kept unsharded by reshard_after_backward=False: back to the shards
-        _average_grads(ref)
+        average_gradients(ref)
         errors += _mismatches(ours, ref, f"step {step}")
         opt.step()
         opt_ref.step()

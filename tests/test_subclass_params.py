@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.harness import device, device_type, run_distributed
-from tests.oracle import ShardwiseOptimizer
+from tests.oracle import ShardwiseOptimizer, average_gradients
 
 aten = torch.ops.aten
 # ops whose results stay HalfGather (what sharding needs: torch's FSDP2 uses split/new_zeros)
@@ -213,8 +213,7 @@ def _float8(sharded: bool) -> dict[str, Any]:
             loss = model(x).pow(2).mean()
             loss.backward()
             if not sharded:
-                for p in model.parameters():
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+                average_gradients(model)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.harness import run_distributed
 from tests.models import Block, ModelArgs, RMSNorm
+from tests.oracle import average_gradients
 
 ARGS = ModelArgs(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_dim=24, max_seq_len=8)
 CHUNKS = 2
@@ -171,8 +172,7 @@ def _chunked_sweep(programs: list[str], combos: list[tuple[bool, Any, str, bool]
                 except Exception as e:  # a mismatch to report, with the others
                     problems.append(f"{what}: {name} raised {type(e).__name__}: {e}")
                     return problems
-            for p in ref.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            average_gradients(ref)
             named = {k: dict(m.named_parameters()) for k, m in models.items()}
             tol = 1e-6 if mp == "none" else 2e-2
             for fqn, p in named["ours"].items():
@@ -337,8 +337,7 @@ def _replaced_before_lazy_init(full: bool) -> list[str]:
     for name, model in models.items():
         model(x).sum().backward()
         if name == "ref":
-            for p in model.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            average_gradients(model)
             continue
         if not (isinstance(model.mix, DTensor) and model.mix in set(model.parameters())):
             problems.append(f"{name}: mix is not the sharded parameter")
