@@ -73,18 +73,16 @@ def plan_split_region() -> str:
     """The peak of the 8B plan with one group per block, and with the embedding and the
     output in groups of their own (the sentence before the code that does it)."""
     import torch
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import fully_shard
-    from fully_shard.tools.llama import TransformerBlock, preset
+    from fully_shard.tools import load_model
 
     mp = fully_shard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    with torch.device("meta"):
-        model = preset("llama3-8b")
-    blocks = fully_shard.plan(model, 64, mp_policy=mp, wrap=lambda m: isinstance(m, TransformerBlock))
-    with torch.device("meta"):
-        model = preset("llama3-8b")
-    split = fully_shard.plan(model, 64, mp_policy=mp, wrap=lambda m: isinstance(m, TransformerBlock)
-                             or m is model.tok_embeddings or m is model.output)
+    model, _ = load_model("llama3-8b")  # transformers' LlamaForCausalLM, on the meta device
+    blocks = fully_shard.plan(model, 64, mp_policy=mp, wrap=LlamaDecoderLayer)
+    split = fully_shard.plan(model, 64, mp_policy=mp, wrap=lambda m: isinstance(m, LlamaDecoderLayer)
+                             or m is model.model.embed_tokens or m is model.lm_head)
     return (f"torchtitan does, brings the peak from {blocks.peak_bytes / 2**30:.2f} GiB to "
             f"{split.peak_bytes / 2**30:.2f} GiB:")
 
