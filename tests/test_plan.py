@@ -371,3 +371,156 @@ def test_memory_over_the_step_peaks_at_the_plans_peak(tmp_path: Any, capsys: pyt
     assert cli_main(["--model", "llama3-8b", "--mesh", "64", "--plot", str(png)]) == 0
     assert f"memory over the step: {png}" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------
+# (5) activations: the planned figures against what autograd really keeps
+# ---------------------------------------------------------------------------
+
+# a Llama-family model small enough to run: GQA (4 query, 2 key-value heads), uneven MLP width
+_TINY_LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 128, "intermediate_size": 344,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 256}
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from fully_shard.tools import hf_model
+
+    return hf_model(_TINY_LLAMA)
+
+
+def _measure_activations(dtype: torch.dtype, checkpointing: bool, batch_size: int, seq_len: int) -> dict[str, Any]:
+    """One forward and backward of the tiny Llama on the CPU (no fully_shard), measuring
+    (1) the bytes each decoder block saves for backward, with ``saved_tensors_hooks``
+    (distinct storages, parameters excluded, each storage counted for the first block that
+    saves it), (2) the bytes of the storages the forward allocated that are still alive
+    when it ends (what is kept for backward, whoever keeps it: autograd, or checkpoint's
+    inputs), and (3) the peak of live storages allocated in forward or backward, the
+    parameters' gradients excepted (activations, rebuilt ones and activation gradients)."""
+    import weakref
+
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _tiny_llama().to(dtype)
+    model.train()
+    if checkpointing:  # non-reentrant torch.utils.checkpoint around every decoder block
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tokens = torch.randint(0, _TINY_LLAMA["vocab_size"], (batch_size, seq_len))
+
+    class Live(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refs: dict[int, tuple[int, Any]] = {}
+            self.size: dict[int, int] = {}
+            self.events: list[tuple[int, int]] = []
+
+        def register(self, st: torch.UntypedStorage) -> None:
+            if st._cdata in self.refs:
+                return
+            uid, key = len(self.size), st._cdata
+            self.size[uid] = st.nbytes()
+            self.refs[key] = (uid, weakref.ref(st, lambda _r, key=key, uid=uid: self.freed(key, uid)))
+            self.events.append((uid, self.size[uid]))
+
+        def freed(self, key: int, uid: int) -> None:
+            if self.refs.get(key, (None,))[0] == uid:
+                del self.refs[key]
+            n, self.size[uid] = self.size[uid], 0
+            if n:
+                self.events.append((uid, -n))
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.register(t.untyped_storage())
+            return out
+
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    where = ["outside"]
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda _m, _a, i=i: where.__setitem__(0, f"block {i}"))
+        layer.register_forward_hook(lambda _m, _a, _o: where.__setitem__(0, "outside"))
+    saved: dict[int, tuple[str, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in weights and st.data_ptr() not in saved:
+            saved[st.data_ptr()] = (where[0], st.nbytes())
+        return t
+
+    live = Live()
+    for t in [*model.parameters(), *model.buffers()]:
+        live.register(t.untyped_storage())
+    existing = set(live.size)
+    with live:
+        with saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=tokens, labels=tokens).loss  # the logits are dropped, as in training
+        end_of_forward = len(live.events)
+        loss.backward()
+    grads = {live.refs[p.grad.untyped_storage()._cdata][0] for p in model.parameters()}
+    now = peak = kept = 0
+    for i, (uid, delta) in enumerate(live.events):
+        if i == end_of_forward:
+            kept = now
+        if uid in existing or uid in grads:
+            continue
+        now += delta
+        peak = max(peak, now)
+    per_block: dict[str, int] = {}
+    for who, nbytes in saved.values():
+        per_block[who] = per_block.get(who, 0) + nbytes
+    return {"kept": kept, "peak": peak, "blocks": [per_block.get(f"block {i}", 0) for i in range(4)]}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ac", "ac"])
+def test_planned_activations_match_measured(dtype: str, checkpointing: bool) -> None:
+    """Planned activations against a real forward and backward of a 4-block Llama (batch 2
+    x 64 tokens, CPU, no fully_shard: activations do not depend on sharding).
+
+    Tolerances, and why: what is *saved for backward* per block and what is *kept* at the
+    end of forward are what the planner counts, so they must agree within 1% (the
+    remainder: the loss scalar, int64 position ids). The *peak* in backward also holds
+    what the planner does not count: the gradients flowing through the block being
+    differentiated (of its output and of the MLP's wide intermediates) and op temporaries.
+    Those belong to one block at a time, so the measured peak may exceed the plan by at
+    most half of one block's saved bytes, never by a multiple of the block count."""
+    pytest.importorskip("transformers")
+    batch_size, seq_len = 2, 64
+    torch_dtype = _DTYPES[dtype]
+    assert torch_dtype is not None
+    measured = _measure_activations(torch_dtype, checkpointing, batch_size, seq_len)
+    planned = plan(_tiny_llama, 2, mp_policy=MixedPrecisionPolicy(param_dtype=torch_dtype), batch_size=batch_size,
+                   seq_len=seq_len, activation_checkpointing=checkpointing, device_type="cpu")
+    block = planned.block_activation_bytes
+    print(f"[{dtype}, {'AC' if checkpointing else 'no AC'}] per block planned {block} B, measured "
+          f"{measured['blocks']}; kept at end of forward planned {planned.activation_bytes} B, measured "
+          f"{measured['kept']} B; peak planned {planned.peak_activation_bytes} B, measured {measured['peak']} B "
+          f"({measured['peak'] / planned.peak_activation_bytes - 1:+.1%})")
+    # what each block saves: everything, or under AC what the checkpoint saves, the block's input
+    # (block 0 also saves the rotary cos/sin, shared by all: the planner counts them once, with the rest)
+    from fully_shard.tools.activations import estimate_activations
+    from fully_shard.tools.models import load_model
+
+    est = estimate_activations(load_model(_tiny_llama)[0], batch_size, seq_len, torch_dtype)
+    assert est.block_bytes == block
+    for nbytes in measured["blocks"][1:]:
+        want = est.block_input_bytes if checkpointing else block
+        assert abs(nbytes / want - 1) <= 0.01, (nbytes, want)
+    assert abs(measured["kept"] / planned.activation_bytes - 1) <= 0.01, (measured, planned.activation_bytes)
+    excess = measured["peak"] - planned.peak_activation_bytes
+    assert -0.01 * planned.peak_activation_bytes <= excess <= 0.5 * block, (measured, planned.peak_activation_bytes)
+    # with AC the blocks keep only their inputs: the kept bytes shrink by far more than one block
+    if checkpointing:
+        assert planned.activation_bytes < 0.5 * 4 * block
+    # and the activations are in the step's trace and peak
+    assert max(row[5] for row in planned.memory_trace) == planned.peak_activation_bytes
+    assert planned.peak_bytes >= planned.peak_activation_bytes + planned.device_state_bytes - planned.grad_bytes

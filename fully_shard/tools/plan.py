@@ -9,8 +9,10 @@ buffers as ``group.py`` and ``comm.py`` allocate them, replays one steady-state 
 (``replay.py``, through ``group.next_state``) to find the peak, and adds the optimizer
 step: AdamW/Adam keep two states per parameter in its dtype, SGD with momentum one; a
 foreach step adds one temporary per parameter (``exp_avg_sq.sqrt()``), a per-tensor step
-two of the largest. Activations are not modelled: add them. The table that ``str(plan)``
-prints is made by ``fully_shard.tools.cli``.
+two of the largest. Given ``batch_size`` and ``seq_len``, the activations of a
+``transformers`` Llama-family model are added (``activations.py``: the tensors saved for
+backward, per block, with or without activation checkpointing); otherwise they are left
+out. The table that ``str(plan)`` prints is made by ``fully_shard.tools.cli``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..mesh import resolve_reshard_after_forward
 from ..param import ShardLayout, param_dtypes, shard_layout
 from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..streams import accelerator_type, has_streams
+from .activations import estimate_activations
 from .models import load_model
 from .replay import Call, Replay, Timeline, pre_order
 
@@ -70,15 +73,17 @@ class Plan:
     """Per-rank memory and communication of one training step under fully_shard.
 
     Bytes are tensor bytes (what the caching allocator is asked for, not what it reserves)
-    on ``rank``; activations are left out. ``peak_bytes`` is the most device memory live at
-    once during the step (sharded state, in-flight parameters and gradients, optimizer
-    temporaries) and ``peak_at`` says when. ``str(plan)`` is a readable table;
+    on ``rank``; activations are counted only when ``batch_size`` is set (else left out).
+    ``peak_bytes`` is the most device memory live at once during the step (sharded state,
+    in-flight parameters and gradients, optimizer temporaries, activations) and ``peak_at``
+    says when. ``str(plan)`` is a readable table;
     ``plan.to_json()`` has every field.
 
     Example::
 
         >>> p = plan("llama3-8b", 64)
         >>> p.peak_bytes, p.peak_at, p.groups[0].unsharded_bytes
+        >>> plan("llama3-8b", 64, batch_size=1, seq_len=8192, activation_checkpointing=True).activation_bytes
     """
 
     model: str
@@ -119,9 +124,16 @@ class Plan:
     all_reduce_bytes: int
     send_bytes: int  # bytes this rank sends per step with ring algorithms
     notes: list[str] = field(default_factory=list)
-    # device bytes over the replayed step, after every allocation and free:
-    # [phase, sharded state, unsharded params, unsharded grads, optimizer temporaries]
+    # device bytes over the replayed step, after every allocation and free: [phase, sharded
+    # state, unsharded params, unsharded grads, optimizer temporaries, activations]
     memory_trace: list[list[Any]] = field(default_factory=list)
+    # activations (None / 0 unless batch_size and seq_len were given), per rank
+    batch_size: int | None = None
+    seq_len: int | None = None
+    activation_checkpointing: bool = False
+    block_activation_bytes: int = 0  # saved for backward by one block (rebuilt in its backward under AC)
+    activation_bytes: int = 0  # kept from forward to backward, all of the model, at the end of forward
+    peak_activation_bytes: int = 0  # the most live at once in the replay (with AC: plus one rebuilt block)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as plain data."""
@@ -244,6 +256,27 @@ def _size(node: Call, shard: int, device_grads: bool) -> None:
     node.sharded = sum(p.layout.local_numel * _itemsize(p.dtype) for p in node.params)
 
 
+def _add_activations(model: nn.Module, root: Call, nodes: list[Call], batch_size: int, seq_len: int,
+                     mp: MixedPrecisionPolicy, checkpointing: bool) -> int:
+    """Give each call the activations its forward keeps (``Call.act``) and, with activation
+    checkpointing, rebuilds in its backward (``Call.recompute``); returns one block's bytes.
+    A block's activations go to the innermost call that contains it (the root if none), the
+    rest of the model's to the root."""
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    compute = mp.param_dtype or (floats[0] if floats else torch.float32)
+    est = estimate_activations(model, batch_size, seq_len, compute)
+    root.act_rest += est.rest_bytes
+    for layer in est.layers:
+        owner = max((n for n in nodes if n is root or layer == n.name or layer.startswith(n.name + ".")),
+                    key=lambda n: 0 if n is root else len(n.name))
+        if checkpointing:
+            owner.act += est.block_input_bytes
+            owner.recompute = max(owner.recompute, est.block_bytes)  # one block rebuilt at a time
+        else:
+            owner.act += est.block_bytes
+    return est.block_bytes
+
+
 # -- plan() -----------------------------------------------------------------------------------------
 
 
@@ -268,6 +301,9 @@ def plan(
     rank: int = 0,
     device_type: str = accelerator_type(),
     foreach: bool | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> Plan:
     """Per-rank memory and communication of training a model under fully_shard, without
     allocating it.
@@ -301,6 +337,13 @@ def plan(
             CUDA's) or ``"cpu"``.
         foreach: whether the optimizer step is a foreach one (default: as torch chooses,
             foreach on an accelerator, per tensor on the CPU).
+        batch_size, seq_len: sequences per rank per step and tokens per sequence; given
+            both, the activations of a ``transformers`` Llama-family model (what autograd
+            saves for backward, per block, in the compute dtype) join the replay: kept
+            through forward, freed through backward. Left out: activations not counted.
+        activation_checkpointing: every block checkpointed (e.g. transformers'
+            ``gradient_checkpointing_enable()``): a block keeps only its input through
+            forward and rebuilds its activations during its own backward.
 
     Returns:
         A :class:`Plan`; ``print(plan)`` shows a table, ``plan.to_json()`` every field.
@@ -309,6 +352,8 @@ def plan(
 
         >>> p = plan("llama3-8b", 64, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         >>> p.peak_bytes / 2**30  # GiB per rank, before activations
+        >>> p = plan("llama3-8b", 64, batch_size=1, seq_len=8192, activation_checkpointing=True)
+        >>> p.activation_bytes, p.peak_activation_bytes  # kept at the end of forward; most at once
     """
     shape = _mesh(mesh_shape)
     replicate, shard = (1, shape[0]) if len(shape) == 1 else shape
@@ -326,9 +371,17 @@ def plan(
     if foreach is None:
         foreach = has_streams(torch.device(device_type))
 
+    if (batch_size is None) != (seq_len is None):
+        raise ValueError("batch_size and seq_len go together: give both to count activations, or neither")
+    if activation_checkpointing and batch_size is None:
+        raise ValueError("activation_checkpointing needs batch_size and seq_len (activations are not counted without them)")
+
     model, label = load_model(model_or_constructor)
     root = _build_nodes(model, _wrapped_modules(model, wrap), shard, rank, mp_policy, reshard_after_forward)
     nodes = pre_order(root)
+    block_act = 0
+    if batch_size is not None and seq_len is not None:
+        block_act = _add_activations(model, root, nodes, batch_size, seq_len, mp_policy, activation_checkpointing)
     states = OPTIMIZERS[optimizer]
     for n in nodes:
         _size(n, shard, device_grads=on_device)
@@ -408,5 +461,7 @@ def plan(
         all_gathers=counts["ag"], all_gather_input_bytes=ag_in, all_gather_output_bytes=ag_out,
         reduce_scatters=counts["rs"], reduce_scatter_input_bytes=rs_in, reduce_scatter_output_bytes=rs_out,
         all_reduces=counts["ar"], all_reduce_bytes=ar, send_bytes=send, notes=notes,
-        memory_trace=timeline.trace,
+        memory_trace=timeline.trace, batch_size=batch_size, seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing, block_activation_bytes=block_act,
+        activation_bytes=sum(n.act + n.act_rest for n in nodes), peak_activation_bytes=timeline.kind_peak["act"],
     )

@@ -16,6 +16,14 @@ from the previous one) as ``state.py``, ``group.py`` and ``comm.py`` allocate an
 * the sharded gradients are views of the reduce-scatter output when its dtype is the
   parameter's (padded slots), else copies (this rank's rows).
 
+Activations, when the plan counts them, are allocated at the end of a call's forward: its
+blocks' (``Call.act``) are freed at its post-backward, once its gradients exist (all at
+once: autograd frees them op by op, so the moment both are counted is an upper bound);
+the root's others (embedding, final norm, loss: ``Call.act_rest``) once the root's
+gradients are allocated, before the blocks' backward, since the loss and the head are
+differentiated first. With activation checkpointing a call rebuilds one block
+(``Call.recompute``) at the start of its backward, freed at its post-backward.
+
 On a device with streams the last waited all-gather's buffers stay referenced until the
 next all-gather is issued (``streams.py``); on the CPU they are dropped at once. Each group
 moves through fully_shard's ``GroupState`` by ``group.next_state``.
@@ -48,6 +56,9 @@ class Call:
     grad_copy: int = 0  # sharded grads copied out of it (this rank's rows)
     sharded: int = 0  # this rank's parameters
     optim: int = 0  # this rank's optimizer state
+    act: int = 0  # activations of its blocks that its forward keeps for backward
+    act_rest: int = 0  # the root: the rest of the model's (embedding, final norm, loss)
+    recompute: int = 0  # activations its backward rebuilds (activation checkpointing)
 
 
 def pre_order(node: Call) -> list[Call]:
@@ -63,7 +74,7 @@ def post_order(node: Call) -> list[Call]:
 class Timeline:
     """Live device bytes by kind; peaks are checked at every allocation."""
 
-    KINDS = ("param", "grad", "state", "optim")
+    KINDS = ("param", "grad", "state", "optim", "act")
 
     def __init__(self, base: int) -> None:
         self.live: dict[tuple[str, str, str], int] = {}
@@ -73,12 +84,13 @@ class Timeline:
         self.peak_at = "start of step"
         self.kind_peak = {k: 0 for k in self.KINDS}
         self.where = ""
-        # after every allocation and free: [phase, sharded state, params, grads, optimizer temps]
+        # after every allocation and free:
+        # [phase, sharded state, params, grads, optimizer temps, activations]
         self.trace: list[list[Any]] = []
 
     def _record(self) -> None:
         k = self.by_kind
-        self.trace.append([self.where, self.base + k["state"], k["param"], k["grad"], k["optim"]])
+        self.trace.append([self.where, self.base + k["state"], k["param"], k["grad"], k["optim"], k["act"]])
 
     def alloc(self, kind: str, what: str, node: str, nbytes: int) -> None:
         if nbytes <= 0:
@@ -172,6 +184,9 @@ class Replay:
         self.needs_post_backward[id(n)] = bool(n.params)
         for c in n.children:
             self.forward(c)
+        self.t.where = f"forward: activations of {n.name}"
+        self.t.alloc("act", "activations", n.name, n.act)
+        self.t.alloc("act", "head", n.name, n.act_rest)
         if n.reshard:
             self.reshard(n, post_forward=type(n.reshard) is int)
 
@@ -185,9 +200,12 @@ class Replay:
             if target.params and self.needs_post_backward[id(target)] and not self.is_unsharded(target):
                 self.issue(target)
         self.wait(n)
+        self.t.where = f"backward: recompute of {n.name}"
+        self.t.alloc("act", "recomputed", n.name, n.recompute)
         self.t.where = f"backward: gradients of {n.name}"
         for nbytes in n.ugrad:  # all present by the group's post-backward
             self.t.alloc("grad", "unsharded grad", n.name, nbytes)
+        self.t.free("act", "head", n.name)  # the loss and head are differentiated first
         for c in reversed(n.children):
             self.backward(c)
         self.post_backward(n)
@@ -195,6 +213,8 @@ class Replay:
     def post_backward(self, n: Call) -> None:
         self.t.where = f"backward: reduce-scatter of {n.name}"
         self.needs_post_backward[id(n)] = False
+        self.t.free("act", "activations", n.name)  # all read by now
+        self.t.free("act", "recomputed", n.name)
         if n.ugrad:
             # the reduce-scatter input is packed (and cast) straight from the gradients
             self.t.alloc("grad", "reduce-scatter input", n.name, n.rs_in)
