@@ -252,6 +252,11 @@ def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "llama3-9b", "--mesh", "64"], "unknown model"),
         (["--model", "llama3-8b", "--mesh", "64", "--reshard-after-forward", "5"], "divisor"),
         (["--model", "llama3-8b", "--mesh", "64", "--wrap", "Bogus"], "--wrap"),
+        (["--model", "llama3-8b", "--mesh", "64", "--batch-size", "1"], "go together"),
+        (["--model", "llama3-8b", "--mesh", "64", "--ac"], "--ac needs"),
+        (["--model", "llama3-8b", "--mesh", "64", "--batch-size", "0", "--seq-len", "8"], "positive"),
+        (["--model", "tests.test_plan:_small", "--mesh", "2", "--batch-size", "1", "--seq-len", "8"],
+         "Llama-family"),
     ],
 )
 def test_cli_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -524,3 +529,50 @@ def test_planned_activations_match_measured(dtype: str, checkpointing: bool) -> 
     # and the activations are in the step's trace and peak
     assert max(row[5] for row in planned.memory_trace) == planned.peak_activation_bytes
     assert planned.peak_bytes >= planned.peak_activation_bytes + planned.device_state_bytes - planned.grad_bytes
+
+
+def _printed_lines(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    assert cli_main(argv) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_cli_table_fits_100_columns(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every printed line, table, header and footer, is at most 100 characters: for each
+    preset, HSDP with offload (more lines, a note), activations with AC, and a config.json
+    behind a path long enough to be elided."""
+    from fully_shard.tools import PRESETS
+
+    runs = [["--model", name, "--mesh", "64", "--param-dtype", "bf16", "--reduce-dtype", "fp32"] for name in PRESETS]
+    runs.append(["--model", "llama3-70b", "--mesh", "8,64", "--offload", "--device", "cpu"])
+    runs.append(["--model", "llama3-405b", "--mesh", "1024", "--batch-size", "4", "--seq-len", "131072", "--ac",
+                 "--reshard-after-forward", "8", "--rank", "1023"])
+    deep = tmp_path / ("a-directory-name-long-enough-to-matter" * 2) / "Meta-Llama-3.1-8B-Instruct"
+    deep.mkdir(parents=True)
+    cfg = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256}
+    (deep / "config.json").write_text(json.dumps(cfg))
+    runs.append(["--model", str(deep / "config.json"), "--mesh", "64", "--batch-size", "2", "--seq-len", "4096"])
+    for argv in runs:
+        lines = _printed_lines(argv, capsys)
+        assert max(len(line) for line in lines) <= 100, (argv, max(lines, key=len))
+        assert any(line.startswith("total ") for line in lines) and any("peak on device" in line for line in lines)
+    assert lines[0].startswith("fully_shard memory plan: ...") and lines[0].endswith("Instruct/config.json")
+
+
+def test_plan_activation_arguments() -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match="go together"):
+        plan("llama3-8b", 64, batch_size=1)
+    with pytest.raises(ValueError, match="activation_checkpointing needs"):
+        plan("llama3-8b", 64, activation_checkpointing=True)
+    with pytest.raises(ValueError, match="Llama-family"):
+        plan(_small, 2, batch_size=1, seq_len=8)
+    without = plan("llama3-8b", 64)
+    assert without.activation_bytes == without.peak_activation_bytes == 0
+    assert all(row[5] == 0 for row in without.memory_trace)
+    # activations are per rank and per sequence: they scale with batch x tokens, not with the mesh
+    one, two = plan("llama3-8b", 64, batch_size=1, seq_len=4096), plan("llama3-8b", 8, batch_size=2, seq_len=4096)
+    assert two.block_activation_bytes == 2 * one.block_activation_bytes
+    assert abs(two.activation_bytes / (2 * one.activation_bytes) - 1) < 1e-4  # but the shared rotary tables
+    # the step's peak counts them: the plan without activations plus at least the kept ones at the end of forward
+    assert one.peak_bytes > without.peak_bytes

@@ -4,6 +4,7 @@ that it and ``str(plan)`` print (``format_plan``).
     python -m fully_shard.plan --model llama3-8b --mesh 64 --param-dtype bf16 --reduce-dtype fp32
     python -m fully_shard.plan --model llama3-70b --mesh 8,64 --json
     python -m fully_shard.plan --model mypkg.models:build --mesh 16 --wrap Block
+    python -m fully_shard.plan --model llama3-8b --mesh 64 --batch-size 1 --seq-len 8192 --ac
 
 Bad arguments print a message and exit with status 2.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from typing import Any, Sequence
 
 import torch
@@ -58,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="the rank to plan for (default 0, which holds the most)")
     p.add_argument("--device", default=accelerator_type(), choices=[accelerator_type(), "cpu"],
                    help=f"{accelerator_type()}: any device with streams (default); cpu: a CPU (gloo) mesh")
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help="sequences per rank per step: with --seq-len, count the activations of a transformers "
+                   "Llama-family model (default: activations left out)")
+    p.add_argument("--seq-len", type=int, metavar="T", help="tokens per sequence (with --batch-size)")
+    p.add_argument("--ac", action="store_true",
+                   help="activation checkpointing of every block: keep only block inputs, rebuild one block "
+                   "in its backward (needs --batch-size and --seq-len)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.add_argument("--plot", metavar="PNG", help="also draw device memory over the step into this file "
                    "(needs matplotlib)")
@@ -132,9 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     build.__qualname__ = label
     offload = CPUOffloadPolicy() if args.offload else OffloadPolicy()
+    if (args.batch_size is None) != (args.seq_len is None):
+        parser.error("--batch-size and --seq-len go together: give both to count activations, or neither")
+    if args.ac and args.batch_size is None:
+        parser.error("--ac needs --batch-size and --seq-len (activations are not counted without them)")
     try:
         result = plan(build, mesh, mp_policy=mp, offload_policy=offload, optimizer=args.optimizer,
-                      reshard_after_forward=reshard, wrap=wrap, rank=args.rank, device_type=args.device)
+                      reshard_after_forward=reshard, wrap=wrap, rank=args.rank, device_type=args.device,
+                      batch_size=args.batch_size, seq_len=args.seq_len, activation_checkpointing=args.ac)
     except ValueError as e:
         parser.error(str(e))
     print(result.to_json() if args.json else result)
@@ -215,8 +229,27 @@ def _collapse(groups: list[GroupPlan]) -> list[tuple[str, int, GroupPlan]]:
     return out
 
 
+WIDTH = 100  # columns: every line format_plan returns fits
+
+
+def _fit(line: str, width: int = WIDTH) -> list[str]:
+    """``line`` as is if it fits, else wrapped at spaces, continued 4 columns deeper."""
+    if len(line) <= width:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(line, width, subsequent_indent=indent, break_long_words=True, break_on_hyphens=False)
+
+
+def _shorten(text: str, width: int) -> str:
+    """``text``, its start elided with ``...`` if longer than ``width`` (group names end in
+    what tells them apart)."""
+    return text if len(text) <= width else "..." + text[len(text) - width + 3:]
+
+
 def format_plan(p: Plan) -> str:
-    """The readable table of a plan (what ``str(plan)`` and the command line print).
+    """The readable table of a plan (what ``str(plan)`` and the command line print); no
+    line is longer than 100 columns (long group names are elided at the start, long
+    sentences wrapped).
 
     Example::
 
@@ -227,39 +260,46 @@ def format_plan(p: Plan) -> str:
     raf = p.reshard_after_forward
     raf_text = "None (True; root keeps its parameters)" if raf is None else str(raf)
     storage = "/".join(p.storage_dtypes)
-    lines = [
-        f"fully_shard memory plan: {p.model} ({fmt_count(p.num_params)} parameters) on mesh {mesh}, "
-        f"{kind}, {p.shard_size}-way shard, rank {p.rank}",
+    head = [
+        f"fully_shard memory plan: {_shorten(p.model, WIDTH - len('fully_shard memory plan: '))}",
+        f"  {fmt_count(p.num_params)} parameters on mesh {mesh}: {kind}, {p.shard_size}-way shard, "
+        f"rank {p.rank}, device {p.device_type}",
         f"  sharded {storage}; all-gather/compute {p.param_dtype or storage}; reduce "
-        f"{p.reduce_dtype or p.param_dtype or storage}; optimizer {p.optimizer}; "
-        f"reshard_after_forward={raf_text}; offload {'on' if p.offload else 'off'}; device {p.device_type}",
-        "",
+        f"{p.reduce_dtype or p.param_dtype or storage}; optimizer {p.optimizer}; offload {'on' if p.offload else 'off'}",
+        f"  reshard_after_forward={raf_text}",
     ]
-    header = ("group", "x", "params", "sharded", "grads", "optim", "unsharded", "AG in", "AG out", "RS in", "RS out", "AGs")
+    if p.batch_size is not None:
+        head.append(f"  activations: batch {p.batch_size} x {p.seq_len} tokens per rank, activation "
+                    f"checkpointing {'on' if p.activation_checkpointing else 'off'}")
+    head.append("")
+    lines = head
+    header = ("group", "x", "params", "sharded", "grads", "optim", "unsharded", "RS in", "AGs")
     table: list[tuple[str, ...]] = [header]
     for name, count, g in _collapse(p.groups):
         table.append((
             name, str(count), fmt_count(g.numel), fmt_bytes(g.sharded_bytes), fmt_bytes(g.grad_bytes),
-            fmt_bytes(g.optimizer_bytes), fmt_bytes(g.unsharded_bytes), fmt_bytes(g.all_gather_input_bytes),
-            fmt_bytes(g.all_gather_output_bytes), fmt_bytes(g.reduce_scatter_input_bytes),
-            fmt_bytes(g.reduce_scatter_output_bytes), str(g.all_gathers),
+            fmt_bytes(g.optimizer_bytes), fmt_bytes(g.unsharded_bytes),
+            fmt_bytes(g.reduce_scatter_input_bytes), str(g.all_gathers),
         ))
     table.append((
         "total", str(len(p.groups)), fmt_count(p.num_params), fmt_bytes(p.sharded_param_bytes),
         fmt_bytes(p.grad_bytes), fmt_bytes(p.optimizer_bytes),
-        *(fmt_bytes(sum(getattr(g, f) for g in p.groups)) for f in (
-            "unsharded_bytes", "all_gather_input_bytes", "all_gather_output_bytes",
-            "reduce_scatter_input_bytes", "reduce_scatter_output_bytes")),
-        str(p.all_gathers),
+        fmt_bytes(sum(g.unsharded_bytes for g in p.groups)),
+        fmt_bytes(sum(g.reduce_scatter_input_bytes for g in p.groups)), str(p.all_gathers),
     ))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    # the group names take what the other columns leave of the width
+    widths[0] = max(len(header[0]), min(widths[0], WIDTH - sum(widths[1:]) - 2 * (len(widths) - 1)))
     for i, r in enumerate(table):
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        cells = [_shorten(r[0], widths[0]).ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
         lines.append("  ".join(cells).rstrip())
         if i == 0 or i == len(table) - 2:
             lines.append("  ".join("-" * w for w in widths))
-    lines.append("(per group and call: AG = all-gather, RS = reduce-scatter buffers; AGs = all-gathers per step)")
-    lines.append("")
+    lines += [
+        "(per group and call; unsharded = all-gather output = N x its input; RS in = reduce-scatter",
+        " input = N x its output; AGs = all-gathers per step)",
+        "",
+    ]
     where = "host" if p.host_bytes else "device"
     lines += [
         f"per rank{'' if p.rank == 0 else f' (rank {p.rank})'}:",
@@ -278,17 +318,32 @@ def format_plan(p: Plan) -> str:
         f"  unsharded params (peak)   {fmt_bytes(p.peak_unsharded_param_bytes):>12}  all-gather buffers included",
         f"  unsharded grads (peak)    {fmt_bytes(p.peak_unsharded_grad_bytes):>12}  reduce-scatter buffers included",
         f"  optimizer step temps      {fmt_bytes(p.optimizer_step_bytes):>12}  {where}",
-        f"  peak on device            {fmt_bytes(p.peak_bytes):>12}  at {p.peak_at}; plus activations",
-        "",
-        f"communication per step per rank: {p.all_gathers} all-gathers "
-        f"(in {fmt_bytes(p.all_gather_input_bytes)}, out {fmt_bytes(p.all_gather_output_bytes)}), "
-        f"{p.reduce_scatters} reduce-scatters (in {fmt_bytes(p.reduce_scatter_input_bytes)}, out "
-        f"{fmt_bytes(p.reduce_scatter_output_bytes)})"
-        + (f", {p.all_reduces} all-reduces ({fmt_bytes(p.all_reduce_bytes)})" if p.all_reduces else "")
-        + f"; sends ~{fmt_bytes(p.send_bytes)} (ring algorithms)",
     ]
+    if p.batch_size is not None:
+        ac = p.activation_checkpointing
+        lines += [
+            f"  activations, one block    {fmt_bytes(p.block_activation_bytes):>12}  saved for backward"
+            + ("; rebuilt in its backward" if ac else ""),
+            f"  activations, kept         {fmt_bytes(p.activation_bytes):>12}  at the end of forward"
+            + (" (block inputs and the rest)" if ac else ""),
+            f"  activations (peak)        {fmt_bytes(p.peak_activation_bytes):>12}",
+        ]
+    lines += [
+        f"  peak on device            {fmt_bytes(p.peak_bytes):>12}  "
+        + ("activations included" if p.batch_size is not None else "plus activations (see --batch-size)"),
+        f"    at {p.peak_at}",
+        "",
+        "communication per step per rank:",
+        f"  {p.all_gathers} all-gathers: in {fmt_bytes(p.all_gather_input_bytes)}, "
+        f"out {fmt_bytes(p.all_gather_output_bytes)}",
+        f"  {p.reduce_scatters} reduce-scatters: in {fmt_bytes(p.reduce_scatter_input_bytes)}, "
+        f"out {fmt_bytes(p.reduce_scatter_output_bytes)}",
+    ]
+    if p.all_reduces:
+        lines.append(f"  {p.all_reduces} all-reduces: {fmt_bytes(p.all_reduce_bytes)}")
+    lines.append(f"  sends ~{fmt_bytes(p.send_bytes)} (ring algorithms)")
     lines += [f"note: {n}" for n in p.notes]
-    return "\n".join(lines)
+    return "\n".join(out for line in lines for out in _fit(line))
 
 
 if __name__ == "__main__":
