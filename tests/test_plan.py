@@ -576,3 +576,11 @@ def test_plan_activation_arguments() -> None:
     assert abs(two.activation_bytes / (2 * one.activation_bytes) - 1) < 1e-4  # but the shared rotary tables
     # the step's peak counts them: the plan without activations plus at least the kept ones at the end of forward
     assert one.peak_bytes > without.peak_bytes
+
+
+def test_presets_without_transformers_name_the_plan_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(ValueError, match=r'pip install "fully-shard\[plan\]"'):
+        plan("llama3-8b", 64)
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert 'plan = ["transformers>=4.56,<6"]' in f.read()

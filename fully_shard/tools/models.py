@@ -2,7 +2,7 @@
 files, built by ``transformers`` (no model code of our own), or any constructor.
 
 The planner itself takes any ``nn.Module`` on the meta device; this module only turns a name
-into one. Presets and configs need ``transformers`` (``pip install transformers``); a
+into one. Presets and configs need ``transformers`` (``pip install "fully-shard[plan]"``); a
 ``"package.module:Constructor"`` needs nothing::
 
     >>> model, label = load_model("llama3-8b")  # LlamaForCausalLM on the meta device
@@ -46,8 +46,9 @@ def hf_model(config: Union[str, dict[str, Any]]) -> nn.Module:
     try:
         import transformers
     except ImportError as e:
-        raise ValueError("model presets and config.json files are built by transformers: pip install "
-                         "transformers, or pass your own constructor as package.module:Constructor") from e
+        raise ValueError('model presets and config.json files are built by transformers: pip install '
+                         'transformers (the planner\'s extra: pip install "fully-shard[plan]"), or pass your '
+                         'own constructor as package.module:Constructor') from e
     if isinstance(config, str):
         with open(config) as f:
             fields = json.load(f)
