@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, overload
 
@@ -195,12 +195,7 @@ def fully_shard(
         >>> model(tokens).sum().backward(); opt.step(); opt.zero_grad()
     """
     modules = _as_modules(module)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
-    if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
-        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
+    check_options(mp_policy, offload_policy, reshard_after_forward)
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info.shard_size)
     post_forward = None
@@ -243,6 +238,25 @@ def fully_shard(
     if group is not None:
         _register_state_dict_hooks(group)
     return module
+
+
+def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: Any) -> None:
+    """The checks ``fully_shard`` makes of its policies and ``reshard_after_forward`` before
+    it looks at the mesh (an int is checked against the shard size by
+    ``mesh.resolve_reshard_after_forward``). Pure: the memory planner makes them too.
+
+    Example::
+
+        >>> check_options(MixedPrecisionPolicy(), OffloadPolicy(), "yes")
+        Traceback (most recent call last):
+        ValueError: reshard_after_forward must be a bool, an int or None, got 'yes'
+    """
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
+        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
 
 
 _checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -401,45 +415,63 @@ def _collect_params(
     """The parameters this call owns: reachable from ``modules`` without passing through a
     module an earlier call sharded. Maps each to its name and every place it is registered."""
     found: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
+    for fqn, module, name, p in walk_params(modules, lambda m: getattr(m, STATE_ATTR, None) is not None):
+        if p in ignored:
+            continue
+        owner = _OWNERS.get(id(p))
+        if owner is not None and owner.owns(p):
+            if any(owner.encloses(m) for m in modules):
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
+                    f"by the fully_shard call on {owner.label}, an enclosing module. Apply "
+                    "fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
+                )
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): parameter {fqn!r} is tied to (or shared "
+                f"with) {_owner_param_name(owner, modules)}, which the fully_shard call on {owner.label} already sharded. "
+                "Tied parameters must be in one group: pass both modules in one call, "
+                "fully_shard([a, b]), or shard their common parent instead."
+            )
+        if p in found:
+            found[p][1].append((module, name))
+        else:
+            found[p] = (fqn, [(module, name)])
+    return found
+
+
+def walk_params(
+    modules: tuple[nn.Module, ...], is_sharded: Callable[[nn.Module], bool]
+) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
+    """Every registration ``(fqn, module, name, parameter)`` that a ``fully_shard`` call on
+    ``modules`` reaches: each module visited once, not entering a module that ``is_sharded``
+    says an earlier (inner) call sharded, children before a module's own parameters. A
+    parameter registered in several places comes once per place. Pure: the memory planner
+    walks a meta-device model with it.
+
+    Example::
+
+        >>> [fqn for fqn, *_ in walk_params((model,), lambda m: m in blocks)]
+        ['tok_embeddings.weight', 'norm.weight', 'output.weight']
+    """
     visited: set[int] = set()
 
-    def visit(module: nn.Module, prefix: str, top: bool) -> None:
+    def visit(module: nn.Module, prefix: str, top: bool) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
         if id(module) in visited:
             return
         visited.add(id(module))
-        if not top and getattr(module, STATE_ATTR, None) is not None:
+        if not top and is_sharded(module):
             return  # owned by an inner call
         # children before the module's own parameters (post-order, as torch's FSDP2 lays out
         # its flat buffers): the same layout makes the same collectives, element for element
         for child_name, child in module._modules.items():
             if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
+                yield from visit(child, f"{prefix}{child_name}.", False)
         for name, p in module._parameters.items():
-            if p is None or p in ignored:
-                continue
-            fqn = prefix + name
-            owner = _OWNERS.get(id(p))
-            if owner is not None and owner.owns(p):
-                if any(owner.encloses(m) for m in modules):
-                    raise ValueError(
-                        f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
-                        f"by the fully_shard call on {owner.label}, an enclosing module. Apply "
-                        "fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
-                    )
-                raise ValueError(
-                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is tied to (or shared "
-                    f"with) {_owner_param_name(owner, modules)}, which the fully_shard call on {owner.label} already sharded. "
-                    "Tied parameters must be in one group: pass both modules in one call, "
-                    "fully_shard([a, b]), or shard their common parent instead."
-                )
-            if p in found:
-                found[p][1].append((module, name))
-            else:
-                found[p] = (fqn, [(module, name)])
+            if p is not None:
+                yield prefix + name, module, name, p
 
     for i, m in enumerate(modules):
-        visit(m, f"{i}." if len(modules) > 1 else "", True)
-    return found
+        yield from visit(m, f"{i}." if len(modules) > 1 else "", True)
 
 
 def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:

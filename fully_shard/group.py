@@ -32,6 +32,20 @@ _TRANSITIONS = {
 }
 
 
+def next_state(label: str, current: GroupState, new: GroupState) -> GroupState:
+    """``new`` if the transition table lets a group go there from ``current``; otherwise an
+    internal error naming the group. Pure: the memory planner replays a step through it.
+
+    Example::
+
+        >>> next_state("layers.0", GroupState.SHARDED, GroupState.UNSHARDING)
+        <GroupState.UNSHARDING: 3>
+    """
+    if new not in _TRANSITIONS[current]:
+        raise AssertionError(f"fully_shard internal error: group {label} cannot go from {current.name} to {new.name}")
+    return new
+
+
 class ParamGroup:
     """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call.
 
@@ -78,9 +92,7 @@ class ParamGroup:
         self.needs_post_backward = False
 
     def _move_to(self, state: GroupState) -> None:
-        if state not in _TRANSITIONS[self.state]:
-            raise AssertionError(f"fully_shard internal error: group {self.label} cannot go from {self.state.name} to {state.name}")
-        self.state = state
+        self.state = next_state(self.label, self.state, state)
 
     def _streams(self) -> Streams:
         if self.streams is None:  # used before any root forward (e.g. an explicit unshard())
@@ -117,6 +129,7 @@ class ParamGroup:
                 async_op=True,
                 what=f"backward all-gather of {self.label}'s parameters within {pf.size} ranks",
                 custom=self.all_gather_comm,
+                label=self.label,
             )
             for bucket in self._gather_buckets
         ]
@@ -138,6 +151,7 @@ class ParamGroup:
                 async_op=True,
                 what=f"all-gather of {self.label}'s parameters",
                 custom=self.all_gather_comm,
+                label=self.label,
             )
             for bucket in self._gather_buckets
         ]
@@ -156,6 +170,7 @@ class ParamGroup:
             comm.all_gather(
                 inputs, self._ext_slots, info.shard_group, info.shard_size, info.shard_rank, torch.uint8, self.device,
                 async_op=True, what=f"all-gather of {self.label}'s tensor-subclass parameters", custom=self.all_gather_comm,
+                label=self.label,
             )
         ]
 
@@ -306,6 +321,7 @@ class ParamGroup:
             what=f"reduce-scatter of {self.label}'s gradients",
             custom=self.reduce_scatter_comm,
             force_sum=self.force_sum_reduction,
+            label=self.label,
         )
 
     def finish_reduce(self, pending: PendingReduce) -> None:
@@ -331,7 +347,7 @@ class ParamGroup:
                 if not pending.all_reduce:
                     self._partials[key] = output  # reduced within the shard group only
                     continue
-                comm.all_reduce(output, info.replicate_group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients")
+                comm.all_reduce(output, info.replicate_group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label)
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(output)
             if work.post_divide is not None and work.post_divide != 1:
