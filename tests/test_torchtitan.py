@@ -10,8 +10,9 @@ for the duration of the call. CPU workarounds, as torchtitan's trainer assumes a
 triton kernels module is stubbed (the expert-parallel path, unused here), its device type is
 set to ``cpu``, and each block's inner attention is torchtitan's ``ScaledDotProductAttention``
 (FlexAttention needs compiled kernels). ``spmd_backend="partial_dtensor"``: the default
-passes ``dp_mesh_dims`` with parameters that are still plain tensors, which fully_shard's
-``dp_mesh_dims`` refuses today (torch's FSDP2 takes them).
+passes ``dp_mesh_dims`` with parameters that are still plain tensors (data parallel only:
+nothing made them DTensors), which torch's FSDP2 refuses (``ValueError: When dp_mesh_dims is
+provided, all parameters must be DTensors on the full SPMD mesh``) as fully_shard does.
 
 torchtitan 0.3.0 is part of the ``test`` extra (with its declared dependencies, as a user
 installs it); without it the test is skipped, naming the install command.
