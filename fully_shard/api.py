@@ -398,15 +398,50 @@ def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
         )
 
 
-def _owner_param_name(owner: _Owner, modules: tuple[nn.Module, ...]) -> str:
-    """The owner's parameter, by its name under ``modules`` where it lies there."""
-    owner_modules = {id(m()) for m in owner.modules}
-    for i, top in enumerate(modules):
-        for name, m in top.named_modules():
-            if id(m) in owner_modules:
-                prefix = (f"{i}." if len(modules) > 1 else "") + (f"{name}." if name else "")
-                return f"parameter {prefix + owner.fqn!r}"
-    return f"its parameter {owner.fqn!r}"
+def _outermost(module: nn.Module) -> nn.Module:
+    """The outermost live module holding ``module`` (through parents' ``_modules``), found
+    by a scan of the garbage collector's live objects: for error messages only."""
+    import gc
+
+    parents: dict[int, nn.Module] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn.Module):
+            for child in obj._modules.values():
+                if child is not None:
+                    parents.setdefault(id(child), obj)
+    seen = {id(module)}
+    while id(module) in parents and id(parents[id(module)]) not in seen:
+        module = parents[id(module)]
+        seen.add(id(module))
+    return module
+
+
+def _tie_names(fqn: str, modules: tuple[nn.Module, ...], owner: _Owner) -> tuple[str, str, str, str]:
+    """(this call, this parameter, the owner's parameter, the owner's call), each by its name in
+    the outermost model that holds both calls' modules where there is one, else by the calls'
+    module classes and the parameters' names under them."""
+    owner_modules = tuple(m() for m in owner.modules)
+    top = _outermost(modules[0])
+    paths: dict[int, str] = {}
+    for name, m in top.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name)
+
+    def name_in(mods: tuple[Any, ...], local: str) -> str | None:
+        index, rest = local.split(".", 1) if len(mods) > 1 else ("0", local)
+        base = paths.get(id(mods[int(index)]))
+        return None if base is None else (f"{base}.{rest}" if base else rest)
+
+    def call(mods: tuple[Any, ...]) -> str:
+        def one(m: nn.Module) -> str:
+            cls = type(m).__bases__[1] if type(m) in _FSDP_CLASSES.values() else type(m)  # FSDP<cls>
+            return f"{paths[id(m)]} ({cls.__name__})" if paths.get(id(m)) else cls.__name__
+
+        return ", ".join(map(one, mods)) if len(mods) == 1 else "[" + ", ".join(map(one, mods)) + "]"
+
+    mine, theirs = name_in(modules, fqn), name_in(owner_modules, owner.fqn)
+    if mine is None or theirs is None or any(m is None for m in owner_modules):
+        return ", ".join(type(m).__name__ for m in modules), fqn, owner.fqn, owner.label
+    return call(modules), mine, theirs, call(owner_modules)
 
 
 def _collect_params(
@@ -426,9 +461,10 @@ def _collect_params(
                     f"by the fully_shard call on {owner.label}, an enclosing module. Apply "
                     "fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
                 )
+            this_call, this_name, owner_name, owner_call = _tie_names(fqn, modules, owner)
             raise ValueError(
-                f"fully_shard({type(module).__name__}): parameter {fqn!r} is tied to (or shared "
-                f"with) {_owner_param_name(owner, modules)}, which the fully_shard call on {owner.label} already sharded. "
+                f"fully_shard({this_call}): parameter {this_name!r} is tied to (or shared with) "
+                f"parameter {owner_name!r}, which the fully_shard call on {owner_call} already sharded. "
                 "Tied parameters must be in one group: pass both modules in one call, "
                 "fully_shard([a, b]), or shard their common parent instead."
             )

@@ -342,6 +342,32 @@ def _case_block_param_replaced() -> None:
     model(x)
 
 
+def _case_autograd_grad_wrt_parameters() -> None:
+    _, model = _build()
+    _shard(model)
+    x, _ = _data(0)
+    torch.autograd.grad(loss_fn(model(x), x), list(model.parameters()))
+
+
+def _autograd_grad_wrt_parameters_then_remedy() -> list[str]:
+    """The remedy docs/troubleshooting.md names after the failed call: reset_iter_state, then
+    loss.backward() and the sharded p.grad, equal to the unsharded model's."""
+    ref, ours = _build()
+    _shard(ours)
+    x, _ = _data(0)
+    try:
+        torch.autograd.grad(loss_fn(ours(x), x), list(ours.parameters()))
+    except RuntimeError:
+        pass
+    else:
+        return ["torch.autograd.grad w.r.t. the sharded parameters raised nothing"]
+    ours.reset_iter_state()
+    loss_fn(ours(x), x).backward()
+    loss_fn(ref(x), x).backward()
+    _average_grads(ref)
+    return _mismatches(ours, ref, "after the remedy")
+
+
 def _case_ignored_not_in_module() -> None:
     from fully_shard import fully_shard
 
@@ -374,7 +400,23 @@ def test_parameter_replaced_after_sharding_raises_naming_it() -> None:
 
 
 def test_ignored_params_not_in_module() -> None:
-    _expect_error(_case_ignored_not_in_module, ValueError, "ignored_params", "not parameters of the module(s)", "shape (40, 24)", world_size=1)
+    _expect_error(_case_ignored_not_in_module, ValueError, "ignored_params", "not parameters of the module(s)", "shape (40, 24)")
+
+
+def test_autograd_grad_wrt_sharded_parameters_raises() -> None:
+    # torch's own error (docs/troubleshooting.md): a block's registered parameters are the
+    # sharded DTensors after its forward, which computed with the gathered ones. Index 2 is
+    # layers.0.attention_norm.weight, the first of them; 0 and 1 (logit_scale,
+    # tok_embeddings.weight) are the root's, still the gathered ones after the root's forward.
+    _expect_error(
+        _case_autograd_grad_wrt_parameters, RuntimeError,
+        "The differentiated Tensor at index 2 appears to not have been used in the graph",
+    )
+
+
+def test_autograd_grad_wrt_sharded_parameters_remedy() -> None:
+    for rank, errors in enumerate(run_distributed(_autograd_grad_wrt_parameters_then_remedy, 2)):
+        assert not errors, f"rank {rank}:\n" + "\n".join(errors)
 
 
 @pytest.mark.parametrize(
