@@ -364,7 +364,7 @@ def _autograd_grad_wrt_parameters_then_remedy() -> list[str]:
     ours.reset_iter_state()
     loss_fn(ours(x), x).backward()
     loss_fn(ref(x), x).backward()
-    _average_grads(ref)
+    average_gradients(ref)
     return _mismatches(ours, ref, "after the remedy")
 
 
