@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     results["wall_s"] = time.perf_counter() - t_start
     stem = f"{env['date']}-{machine}"
+    if args.skip_steps and args.skip_sim and not args.skip_muon:
+        stem += "-muon"  # the Muon table alone: its own page (docs/gen_figures.py's "muon" region)
     paths = report.write(results, args.out, stem)
     for kind, path in paths.items():
         print(f"{kind}: {path}")

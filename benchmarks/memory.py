@@ -1,23 +1,49 @@
-"""Exact tensor-storage accounting at the dispatcher level (not RSS).
+"""Exact tensor-storage accounting at the dispatcher level (not RSS), for the benchmarks and the tests.
 
-:class:`StorageTracker` is a ``TorchDispatchMode`` that sees the output of every ATen op
-run while it is active, records each distinct untyped storage it has not seen yet with its
-size in bytes, and drops it when the storage is freed (a weakref callback on the storage's
-preserved Python object). ``UntypedStorage.resize_`` (how both fully_shard and torch's
-FSDP2 free and re-allocate unsharded parameters) does not go through the dispatcher, so
-it is patched while the tracker is active. DTensor ops are let through to their local ops,
-which are tracked. ``peak`` is the largest sum of live storage bytes seen.
+:class:`StorageTracker` is a ``TorchDispatchMode``. On entry it registers every tensor storage
+that already exists (found through ``gc``: a model built before, its optimizer state, the
+input batches, fully_shard's unsharded buffers resized to 0 between uses). While active it
+registers the storage of every op output it has not seen, follows ``UntypedStorage.resize_``
+(how both fully_shard and torch's FSDP2 free and re-grow unsharded parameters; it bypasses the
+dispatcher, so it is patched while the tracker is active) and sees a storage freed through a
+weakref callback on its (preserved) Python object. DTensor ops are let through to their local
+ops, which are tracked. Each storage gets a category when first seen:
 
-Known blind spots (the same for every library measured): memory that gloo allocates on its
-own threads, and allocator rounding/fragmentation (these are storage bytes, not what the
-allocator reserves). Storages created before the tracker was entered are invisible unless
-an op inside returns a view of them (``param.data``, ``detach``): build the model inside
-the tracker and pass the pre-existing tensors it reads (a model it deep-copies, the input
-batches) as ``ignore``.
+* ``existing``: before entry;
+* ``fully_shard``: allocated with a frame of the fully_shard package on the stack
+  (all-gather and reduce-scatter buffers, unsharded parameters, sharded gradients);
+* the phase (``phase()``; ``setup`` before the first): allocated by other code then, e.g.
+  ``forward`` / ``backward`` / ``optimizer``: activations, activation gradients, optimizer
+  temporaries (and, in a benchmark, everything torch's FSDP2 or DDP allocate);
+* ``unsharded_grad``: a ``backward`` storage that fully_shard later reads in backward
+  (its post-backward hook casts or packs the parameters' full gradients), so the
+  parameter gradients are told apart from the activation gradients;
+* ``backend``: first seen as the *input* of an op, so allocated where no op showed it:
+  inside a process-group backend. gloo's reduce-scatter copies its whole input and
+  works on the copy until ``wait()``, where an ``aten.split`` of it is the first sight
+  (a gloo detail: NCCL reduces in place).
+
+Two views of the same storages:
+
+* running, over the storages allocated while active (all but ``existing``): ``current``,
+  ``peak`` and ``phase_peaks`` (from :meth:`reset_peak` on) and :meth:`breakdown` of the
+  peak by tensors (``benchmarks/step.py``);
+* :meth:`report`, which replays the event log (storage, byte delta, phase) with the final
+  categories, since a category can change after the fact: the peak of all storages, of
+  everything but activations and backend storages, of activations and of backend storages
+  (``tests/test_plan.py``).
+
+Blind spots (the same for every library measured): memory that gloo allocates on its own
+threads, temporaries that live and die inside one DTensor op, allocator rounding and
+fragmentation (these are storage bytes, not what the allocator reserves).
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+import warnings
 import weakref
 from typing import Any
 
@@ -26,11 +52,26 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import fully_shard
+
+ACTIVATIONS = ("forward", "backward")
+
+
+def _storages(t: Any) -> list[torch.UntypedStorage]:
+    if isinstance(t, DTensor):
+        return _storages(t._local_tensor)
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return []
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):  # sparse, or no storage
+        return []
+
 
 class StorageTracker(TorchDispatchMode):
-    """Live and peak bytes of the CPU tensor storages created while active.
+    """Live and peak bytes of tensor storages, by who allocated them.
 
-    Example::
+    Example (a benchmark: the running view)::
 
         with StorageTracker() as mem:
             model = build()
@@ -38,54 +79,38 @@ class StorageTracker(TorchDispatchMode):
             mem.reset_peak()
             mem.phase("forward"); ...; mem.phase("backward"); ...
         mem.peak, mem.phase_peaks
+
+    Example (a test: the replayed report)::
+
+        with StorageTracker() as mem:
+            mem.phase("forward"); ...
+        mem.report()["model_state"]
     """
 
-    def __init__(self, ignore: Any = ()) -> None:
-        """``ignore``: tensors created before the tracker (e.g. the model a benchmark
-        deep-copies, the input batches) whose storages must not be counted when an op
-        returns a view of them; they must stay alive while the tracker is used."""
+    def __init__(self) -> None:
         super().__init__()
-        self._ignored = {
-            t.untyped_storage()._cdata
-            for t in tree_leaves(ignore)
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"
-        }
-        # live storages: key (StorageImpl address) -> bytes, and -> a serial number that is
-        # never reused (addresses are, once a storage is freed)
-        self._nbytes: dict[int, int] = {}
-        self._serial: dict[int, int] = {}
-        self._next_serial = 0
-        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._package = os.path.dirname(os.path.abspath(fully_shard.__file__)) + os.sep
+        self._refs: dict[int, tuple[int, weakref.ref[Any]]] = {}  # StorageImpl address -> (uid, ref)
+        self._size: dict[int, int] = {}  # uid -> bytes now (uids are never reused; addresses are)
+        self.category: dict[int, str] = {}  # uid -> category
+        self.events: list[tuple[int, int, str]] = []  # (uid, byte delta, phase)
+        self._phase: str | None = None
+        self._orig_resize: Any = None
+        self._active = False
+        # the running view: storages allocated while active
         self.current = 0
         self.peak = 0
         self.phase_peaks: dict[str, int] = {}
-        self._phase: str | None = None
-        self._orig_resize: Any = None
-        # serial -> bytes of every storage live at the peak (after ``reset_peak``)
-        self.peak_storages: dict[int, int] | None = None
+        self.peak_storages: dict[int, int] | None = None  # uid -> bytes live at the peak
         self._snapshot = False
 
-    # -- context --------------------------------------------------------------------
+    # -- phases and the running view ------------------------------------------------------------
 
-    def __enter__(self) -> StorageTracker:
-        orig = torch.UntypedStorage.resize_
-        self._orig_resize = orig
-        tracker = self
-
-        def resize_(st: torch.UntypedStorage, size: int) -> Any:
-            out = orig(st, size)
-            tracker._resized(st)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
-
-    # -- queries ----------------------------------------------------------------------
+    def phase(self, name: str | None) -> None:
+        """Attribute what follows to ``name`` (its category, its entry in ``phase_peaks``)."""
+        self._phase = name
+        if name is not None:
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current)
 
     def reset_peak(self, snapshot: bool = True) -> None:
         """Start a new peak from the current bytes; with ``snapshot`` remember which storages
@@ -94,22 +119,19 @@ class StorageTracker(TorchDispatchMode):
         self.phase_peaks = {}
         self._phase = None
         self._snapshot = snapshot
-        self.peak_storages = self._live_by_serial() if snapshot else None
+        self.peak_storages = self._live() if snapshot else None
 
-    def _live_by_serial(self) -> dict[int, int]:
-        serial = self._serial
-        return {serial[k]: n for k, n in self._nbytes.items()}
+    def _live(self) -> dict[int, int]:
+        return {uid: self._size[uid] for uid, _ in self._refs.values() if self.category[uid] != "existing"}
 
     def storage_keys(self, tensors: Any) -> set[int]:
-        """Serial numbers of the (live, tracked) storages behind ``tensors``."""
+        """The ids of the (live, tracked) storages behind ``tensors``."""
         keys = set()
         for t in tree_leaves(tensors):
-            if isinstance(t, DTensor):
-                t = t._local_tensor
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                s = self._serial.get(t.untyped_storage()._cdata)
-                if s is not None:
-                    keys.add(s)
+            for st in _storages(t):
+                entry = self._refs.get(st._cdata)
+                if entry is not None:
+                    keys.add(entry[0])
         return keys
 
     def breakdown(self, categories: dict[str, Any]) -> dict[str, int]:
@@ -126,75 +148,134 @@ class StorageTracker(TorchDispatchMode):
             out[owner.get(key, "other")] += nbytes
         return out
 
-    def phase(self, name: str | None) -> None:
-        """Attribute the peak from now on to ``name`` (also in ``phase_peaks``)."""
-        self._phase = name
-        if name is not None:
-            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current)
-
-    def bytes_of(self, tensors: Any) -> int:
+    @staticmethod
+    def bytes_of(tensors: Any) -> int:
         """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard)."""
-        seen: dict[int, int] = {}
-        for t in tree_leaves(tensors):
-            if isinstance(t, DTensor):
-                t = t._local_tensor
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                seen[st._cdata] = st.nbytes()
+        seen = {st._cdata: st.nbytes() for t in tree_leaves(tensors) for st in _storages(t)}
         return sum(seen.values())
 
-    # -- tracking ---------------------------------------------------------------------
+    # -- the replayed report ------------------------------------------------------------------
 
-    def _bump(self, delta: int) -> None:
+    def report(self) -> dict[str, Any]:
+        """Peaks in bytes: ``total`` (every storage, existing ones too), ``model_state`` (all
+        but activations and backend storages), ``activations``, ``backend``, and the split of
+        ``model_state``'s peak by category and phase."""
+        by_cat: dict[str, int] = {}
+        peaks = {"total": 0, "model_state": 0, "activations": 0, "backend": 0}
+        at_model_peak: dict[str, Any] = {}
+        for uid, delta, phase in self.events:
+            cat = self.category[uid]
+            by_cat[cat] = by_cat.get(cat, 0) + delta
+            if delta <= 0:
+                continue
+            act = sum(by_cat.get(c, 0) for c in ACTIVATIONS)
+            backend = by_cat.get("backend", 0)
+            total = sum(by_cat.values())
+            peaks["total"] = max(peaks["total"], total)
+            peaks["activations"] = max(peaks["activations"], act)
+            peaks["backend"] = max(peaks["backend"], backend)
+            if total - act - backend > peaks["model_state"]:
+                peaks["model_state"] = total - act - backend
+                at_model_peak = {"phase": phase, "by_category": dict(by_cat), "activations": act, "backend": backend}
+        return {**peaks, "at_model_state_peak": at_model_peak}
+
+    # -- registration ------------------------------------------------------------------------
+
+    def _event(self, uid: int, delta: int) -> None:
+        self.events.append((uid, delta, self._phase or "setup"))
+        if self.category[uid] == "existing":
+            return
         self.current += delta
         if self.current > self.peak:
             self.peak = self.current
             if self._snapshot:
-                self.peak_storages = self._live_by_serial()
+                self.peak_storages = self._live()
         if self._phase is not None and self.current > self.phase_peaks.get(self._phase, 0):
             self.phase_peaks[self._phase] = self.current
 
-    def _track(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta" or isinstance(t, DTensor):
-            return
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # e.g. sparse / no storage
-            return
+    def _register(self, st: torch.UntypedStorage, category: str) -> None:
         key = st._cdata
-        if key in self._ignored:
+        if key in self._refs:
             return
-        old = self._nbytes.get(key)
-        size = st.nbytes()
-        if old is None:
-            self._nbytes[key] = size
-            self._serial[key] = self._next_serial
-            self._next_serial += 1
-            self._refs[key] = weakref.ref(st, lambda _r, key=key: self._freed(key))
-            self._bump(size)
-        elif old != size:
-            self._nbytes[key] = size
-            self._bump(size - old)
+        uid = len(self._size)
+        self._refs[key] = (uid, weakref.ref(st, lambda _r, key=key, uid=uid: self._freed(key, uid)))
+        self._size[uid] = n = st.nbytes()
+        self.category[uid] = category
+        self._event(uid, n)
 
-    def _freed(self, key: int) -> None:
-        size = self._nbytes.pop(key, 0)
-        self._serial.pop(key, None)
-        self._refs.pop(key, None)
-        self.current -= size
+    def _freed(self, key: int, uid: int) -> None:
+        if self._refs.get(key, (None,))[0] == uid:
+            del self._refs[key]
+        n, self._size[uid] = self._size[uid], 0
+        if self._active and n:
+            self._event(uid, -n)
 
     def _resized(self, st: torch.UntypedStorage) -> None:
-        key = st._cdata
-        old = self._nbytes.get(key)
-        if old is not None:
-            size = st.nbytes()
-            self._nbytes[key] = size
-            self._bump(size - old)
+        entry = self._refs.get(st._cdata)
+        if entry is None:
+            self._register(st, "existing")
+            return
+        uid = entry[0]
+        n = st.nbytes()
+        if n != self._size[uid]:
+            delta, self._size[uid] = n - self._size[uid], n
+            self._event(uid, delta)
+
+    def _allocator(self) -> str:
+        f = sys._getframe(2)
+        while f is not None:
+            if f.f_code.co_filename.startswith(self._package):
+                return "fully_shard"
+            f = f.f_back
+        return self._phase or "setup"
+
+    # -- the mode ------------------------------------------------------------------------------
+
+    def __enter__(self) -> StorageTracker:
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
+            warnings.simplefilter("ignore")
+            tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        for t in tensors:
+            for st in _storages(t):
+                self._register(st, "existing")
+        del tensors
+        orig = torch.UntypedStorage.resize_
+        self._orig_resize = orig
+        tracker = self
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = orig(st, size)
+            tracker._resized(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._active = True
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        self._active = False
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor run its local ops, which we see
+            return NotImplemented  # DTensor runs its local ops, which come back here
+        inputs = [st for t in tree_leaves((args, kwargs)) for st in _storages(t)]
+        for st in inputs:  # allocated where no op showed it: below the dispatcher
+            self._register(st, "backend")
         out = func(*args, **(kwargs or {}))
+        who = self._allocator()
+        if who == "fully_shard" and self._phase == "backward":
+            for st in inputs:  # the parameters' full gradients that fully_shard reads
+                uid = self._refs[st._cdata][0]
+                if self.category[uid] == "backward":
+                    self.category[uid] = "unsharded_grad"
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t)
+            for st in _storages(t):
+                entry = self._refs.get(st._cdata)
+                if entry is None:
+                    self._register(st, who)
+                elif st.nbytes() != self._size[entry[0]]:
+                    self._resized(st)
         return out

@@ -1,4 +1,4 @@
-"""Llama-style models and the benchmark configurations.
+"""The Llama-style model of the tests and the benchmarks, and the benchmark configurations.
 
 ``Llama`` is a Llama-3 shaped decoder: token embedding, ``n_layers`` blocks of RMSNorm ->
 grouped-query attention (``n_kv_heads`` key/value heads) -> RMSNorm -> SwiGLU feed-forward,
@@ -6,6 +6,10 @@ a final RMSNorm and an untied output projection. There is no rotary embedding (i
 parameters, so it changes neither the sharding nor the communication). The parameter
 shapes of ``LLAMA3_8B`` / ``LLAMA3_70B`` / ``LLAMA3_405B`` are those of the published
 Llama 3 / 3.1 models (405B: 405.9e9 parameters here, the published count).
+
+The tests use this model too (``tests/models.py`` adds their small, uneven default shapes,
+a buffer and a one-element parameter); ``examples/model.py`` is a separate, torchtitan-style
+model on purpose (rotary embeddings, ``init_weights``), so that the recipe reads on its own.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -68,18 +75,17 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        b, t, _ = x.shape  # (B, T, C)
+        # heads from the projection's width: under tensor parallelism each rank has some of them
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])  # (B, H, T, D)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -124,7 +130,9 @@ class Llama(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    """Next-token cross-entropy, in fp32 at least (bf16 logits are upcast, fp64 stay)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dtype), tokens[:, 1:].flatten())
 
 
 def tokens(step: int, rank: int, args: LlamaArgs, batch_size: int, seq_len: int) -> torch.Tensor:

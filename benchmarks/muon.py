@@ -150,17 +150,19 @@ def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     dist.all_gather_object(per_rank, statistics.median(times))
     out["all_gather_s"] = max(per_rank)
     # and the two all-to-alls alone, replayed with the split sizes of the round trip, no copies
-    with _SplitRecorder() as rec:
+    from tests.collectives import CollectiveRecorder
+
+    with CollectiveRecorder() as rec:
         for stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
             result.copy_(stack)
-    buffers = [(torch.empty(sum(c["output_splits"]), dtype=torch.bfloat16), torch.zeros(sum(c["input_splits"]), dtype=torch.bfloat16), c)
-               for c in rec.calls]
+    buffers = [(torch.empty(sum(c.output_splits), dtype=torch.bfloat16), torch.zeros(sum(c.input_splits), dtype=torch.bfloat16), c)
+               for c in _all_to_alls(rec)]
     times = []
     for _ in range(samples):
         dist.barrier()
         start = time.perf_counter()
         for o, i, c in buffers:
-            dist.all_to_all_single(o, i, c["output_splits"], c["input_splits"])
+            dist.all_to_all_single(o, i, list(c.output_splits), list(c.input_splits))
         times.append(time.perf_counter() - start)
     dist.all_gather_object(per_rank, statistics.median(times))
     out["all_to_all_raw_s"] = max(per_rank)
@@ -181,37 +183,89 @@ def _flops_per_rank(shapes: list[tuple[int, ...]], world: int) -> dict[str, Any]
     return {"max_per_rank": max(per_rank), "ideal_per_rank": sum(costs) / world, "largest_matrix": max(costs)}
 
 
-class _SplitRecorder:
-    """Wraps ``dist.all_to_all_single`` to record its split sizes (bytes that leave the rank)."""
+def _all_to_alls(rec: Any) -> list[Any]:
+    """The all-to-alls a ``tests.collectives.CollectiveRecorder`` saw, with their split sizes."""
+    return [r for r in rec.collectives() if r.kind == "all_to_all"]
 
-    def __init__(self) -> None:
-        self.calls: list[dict[str, int]] = []
 
-    def __enter__(self) -> _SplitRecorder:
-        self._orig = dist.all_to_all_single
+def _sent_bytes(record: Any, rank: int) -> int:
+    """Bytes of an all-to-all that leave ``rank`` (its own split stays)."""
+    size = torch.empty((), dtype=getattr(torch, record.dtype)).element_size()
+    return (sum(record.input_splits) - record.input_splits[rank]) * size
 
-        def wrapper(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None, input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
-            rank = dist.get_rank(group)
-            size = input.element_size()
-            self.calls.append(
-                {"sent_bytes": (sum(input_split_sizes) - input_split_sizes[rank]) * size,
-                 "received_bytes": (sum(output_split_sizes) - output_split_sizes[rank]) * size,
-                 "input_splits": list(input_split_sizes), "output_splits": list(output_split_sizes)}
-            )
-            return self._orig(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
-        dist.all_to_all_single = wrapper  # type: ignore[assignment]
-        return self
+def predicted_sent_bytes(shapes: list[tuple[int, int]], world: int, element_size: int = 2) -> list[int]:
+    """Bytes each rank of ``world`` sends in one owner round trip over ``shapes`` (one bucket),
+    from the layout alone: rank r sends its rows of every matrix it does not own to the owner,
+    and, for every matrix it owns, the other ranks' rows of the result back. Pure arithmetic."""
+    from fully_shard.optim import assign_owners, newton_schulz_flops
+    from fully_shard.optim.owned import MatrixLayout
 
-    def __exit__(self, *exc: Any) -> None:
-        dist.all_to_all_single = self._orig  # type: ignore[assignment]
+    owners = assign_owners([newton_schulz_flops(s) for s in shapes], world)
+    layouts = [MatrixLayout(f"m{i}", tuple(s), None, world, 0) for i, s in enumerate(shapes)]
+    sent = [0] * world
+    for layout, (rows, cols), owner in zip(layouts, shapes, owners):
+        for r in range(world):
+            start, end = layout.rows(r)
+            mine = end - start
+            sent[r] += (mine if r != owner else rows - mine) * cols * element_size
+    return sent
+
+
+def _torch_muon_collectives(shapes: list[tuple[int, int]], mesh: Any) -> dict[str, Any]:
+    """``torch.optim.Muon`` over ``Shard(0)`` DTensors (as fully_shard and torch FSDP2 leave
+    them) with meta local tensors: the collectives DTensor issues inside one step, and the bytes
+    rank 0 sends by ring algorithms (all-gather (W-1) x input, reduce-scatter (W-1)/W x input,
+    all-reduce 2 (W-1)/W x input). No data: the local tensors are on the meta device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    world = mesh.size(0)
+    factor = {"all_gather_into_tensor": world - 1, "reduce_scatter_tensor": (world - 1) / world,
+              "all_reduce": 2 * (world - 1) / world, "all_to_all_single": (world - 1) / world}
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: dict[str, int] = {}
+            self.sent = 0.0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(t is DTensor for t in types):
+                return NotImplemented  # let DTensor desugar into collectives first (as CommDebugMode)
+            name = func.__name__.split(".")[0]
+            if func.namespace in ("_c10d_functional", "c10d_functional") and name in factor:
+                self.counts[name] = self.counts.get(name, 0) + 1
+                self.sent += factor[name] * args[0].numel() * args[0].element_size()
+            return func(*args, **(kwargs or {}))
+
+    params = []
+    for rows, cols in shapes:
+        chunk = math.ceil(rows / world)
+
+        def rank0_rows() -> DTensor:
+            local = torch.empty(min(chunk, rows), cols, device="meta")
+            return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1))
+
+        p = nn.Parameter(rank0_rows())
+        p.grad = rank0_rows()
+        params.append(p)
+    opt = torch.optim.Muon(params, lr=LR)
+    try:
+        with Record() as rec:
+            opt.step()
+    except RuntimeError as e:  # e.g. DTensor's in-place add_ when some ranks hold no rows
+        return {"error": str(e).splitlines()[0]}
+    return {"collectives": sum(rec.counts.values()), "by_kind": rec.counts, "sent_bytes_rank0": rec.sent}
 
 
 def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
-    """Rank 0 of ``world`` on the fake process group: one owner round trip over the block matrices."""
+    """Rank 0 of ``world`` on the fake process group: one owner round trip over the block
+    matrices (bytes recorded from the all-to-all split sizes), the same bytes predicted for
+    every rank from the layout, and ``torch.optim.Muon``'s collectives on the same layout."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fully_shard.optim.owned import _bucket, matrix_layout, newton_schulz_flops, owned_matrices_local
+    from tests.collectives import CollectiveRecorder
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -228,27 +282,27 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
         layouts = [matrix_layout(p, f"m{i}") for i, p in enumerate(params)]
         inputs = [p.to_local() for p in params]
         outs = [torch.empty(t.shape, dtype=torch.bfloat16) for t in inputs]
-        with _SplitRecorder() as rec:
+        with CollectiveRecorder() as rec:
             for stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
                 result.zero_()  # the fake group moves no data; the transform is not the point here
         _, buckets = _bucket(layouts, newton_schulz_flops)
-        owners = buckets[0].owners
-        # what the layout predicts for rank 0: its rows of others' matrices go out, the others'
-        # rows of its own matrices come in; the same both ways back
-        expected_out = sum(layout.rows(0)[1] * s[1] * 2 for layout, s, o in zip(layouts, shapes, owners) if o != 0)
-        own_rows_elsewhere = sum((s[0] - layout.rows(0)[1]) * s[1] * 2 for layout, s, o in zip(layouts, shapes, owners) if o == 0)
+        predicted = predicted_sent_bytes(shapes, world)  # every rank, from the layout
         matrix_bytes = sum(s[0] * s[1] for s in shapes) * 2
-        measured = sum(c["sent_bytes"] for c in rec.calls)
+        calls = _all_to_alls(rec)
+        measured = sum(_sent_bytes(c, 0) for c in calls)
         return {
             "world": world,
             "matrices": len(shapes),
-            "collectives_rank0": len(rec.calls),
+            "collectives_rank0": len(calls),
             "buckets": len(buckets),
             "sent_bytes_rank0": measured,
-            "expected_sent_bytes_rank0": expected_out + own_rows_elsewhere,
+            "expected_sent_bytes_rank0": predicted[0],
+            "predicted_total_bytes": sum(predicted),
             "analytic_all_ranks_bytes": 2 * (world - 1) / world * matrix_bytes,
-            "analytic_mean_per_rank_bytes": 2 * (world - 1) / world * matrix_bytes / world,
+            # the analytic formula assumes every owner holds 1/W of its matrix's rows
+            "rows_divide": all(s[0] % world == 0 for s in shapes),
             "ns_flops": _flops_per_rank(shapes, world),
+            "torch_muon": _torch_muon_collectives(shapes, mesh),
         }
     finally:
         dist.destroy_process_group()
@@ -319,16 +373,33 @@ def render(muon: dict[str, Any]) -> list[str]:
         ]
     sim = muon["simulation"]
     if sim and sim["points"]:
-        lines += [f"### Simulated ranks ({sim['model']}, fake process group, rank 0)", "",
-                  "| W | matrices | collectives per step | bytes sent by rank 0 | predicted by the layout | analytic 2(W-1)/W x matrix bytes / W | NS GFLOPs: busiest rank, total / W, largest matrix |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"### Simulated ranks ({sim['model']}, fake process group)", "",
+                  "Rank 0 is recorded; the all-ranks total sums every rank's bytes predicted from the layout "
+                  "(pure arithmetic), against the analytic `2 x (W-1)/W x matrix bytes` (exact when every "
+                  "matrix's rows divide by W). `torch.optim.Muon` runs on the same `Shard(0)` DTensors with meta "
+                  "local tensors; its bytes are ring-algorithm bytes (all-gather (W-1) x input, reduce-scatter "
+                  "(W-1)/W x input, all-reduce 2 (W-1)/W x input).", "",
+                  "| W | matrices | optimizer | collectives per step | bytes sent by rank 0 | rank 0 predicted by the layout "
+                  "| all ranks, summed from the layout | analytic 2(W-1)/W x matrix bytes | NS GFLOPs: busiest rank, total / W, largest matrix |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for p in sim["points"]:
             f = p["ns_flops"]
+            exact = "equal" if p["predicted_total_bytes"] == p["analytic_all_ranks_bytes"] else "differ"
             lines.append(
-                f"| {p['world']} | {p['matrices']} | {p['collectives_rank0']} ({p['buckets']} bucket) | {p['sent_bytes_rank0'] / 2**20:.2f} MiB | "
-                f"{p['expected_sent_bytes_rank0'] / 2**20:.2f} MiB | {p['analytic_mean_per_rank_bytes'] / 2**20:.2f} MiB | "
+                f"| {p['world']} | {p['matrices']} | fully_shard.optim.Muon | {p['collectives_rank0']} ({p['buckets']} bucket) | "
+                f"{p['sent_bytes_rank0'] / 2**20:.2f} MiB | {p['expected_sent_bytes_rank0'] / 2**20:.2f} MiB | "
+                f"{p['predicted_total_bytes'] / 2**20:.2f} MiB | {p['analytic_all_ranks_bytes'] / 2**20:.2f} MiB ({exact}) | "
                 f"{f['max_per_rank'] / 1e9:.2f}, {f['ideal_per_rank'] / 1e9:.2f}, {f['largest_matrix'] / 1e9:.2f} |"
             )
+            t = p.get("torch_muon")
+            if t and "error" in t:
+                lines.append(f"| {p['world']} | {p['matrices']} | torch.optim.Muon | fails: {t['error'][:160]} | | | | | |")
+            elif t:
+                kinds = ", ".join(f"{n.replace('_into_tensor', '').replace('_tensor', '')} {c}" for n, c in sorted(t["by_kind"].items()))
+                lines.append(
+                    f"| {p['world']} | {p['matrices']} | torch.optim.Muon | {t['collectives']} ({kinds}) | "
+                    f"{t['sent_bytes_rank0'] / 2**20:.2f} MiB | | | | every rank runs every matrix |"
+                )
         lines.append("")
     elif sim:
         lines += [f"Simulation error: {sim['error']}", ""]

@@ -6,6 +6,10 @@ Pieces: ``ModelArgs`` (a dataclass), ``RMSNorm``, rotary position embeddings (co
 ``self.layers`` (an ``nn.ModuleList``): the unit that ``fully_shard`` is applied to.
 ``init_weights()`` (re)initialises every parameter and buffer in place, so it also
 works after ``fully_shard`` or after ``to_empty()`` on a meta-device model.
+
+This file is self-contained on purpose, so that the recipe reads (and copies) on its own:
+the tests and benchmarks share another Llama (``benchmarks/models.py``), without rotary
+embeddings or an init scheme, with small uneven shapes that exercise padding.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ model layout torchtitan's llama3 uses (blocks in an ``nn.ModuleDict`` keyed ``"0
 
 ``--fsdp torch`` loads this file again with the import line replaced (see ``load_recipe``),
 which is how ``tests/test_recipes.py`` checks that both give the same losses, step by step.
+
+Why an imitation: the examples depend on torch alone, and torchtitan is a large, fast-moving
+dependency (with CPU workarounds of its own). torchtitan's own llama3 model,
+``parallelize_llama`` and ``ChunkedLossWrapper`` run on fully_shard too: docs/recipes.md,
+"torchtitan's own model and parallelize_llama on fully_shard", shows that flow, and
+``tests/test_torchtitan.py`` runs it against torch's FSDP2.
 """
 
 from __future__ import annotations

@@ -5,7 +5,16 @@ Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
     from fully_shard import fully_shard
 """
 
-from .api import FSDPModule, ShardPlacementResult, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .api import (
+    FSDPModule,
+    ShardedDeepcopyError,
+    ShardedUsageError,
+    ShardPlacementResult,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .comm import CollectiveError, CollectiveMismatchError
 from .init import broadcast_full_state_dict, materialize
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -31,6 +40,8 @@ __all__ = [
     # exceptions to catch
     "CollectiveError",
     "CollectiveMismatchError",
+    "ShardedUsageError",
+    "ShardedDeepcopyError",
 ]
 
 __version__ = "0.1.0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable, Literal
@@ -52,11 +52,30 @@ class ShardPlacementResult:
 
 class ShardedUsageError(ValueError, AssertionError):
     """A misuse of ``fully_shard`` (e.g. applying it twice to one module) that torch's FSDP2
-    reports with ``AssertionError``: an instance of both, so either ``except`` catches it."""
+    reports with ``AssertionError``: an instance of both, so either ``except`` catches it.
+
+    Example::
+
+        >>> from fully_shard import ShardedUsageError
+        >>> fully_shard(model)
+        >>> try:
+        ...     fully_shard(model)  # a second time
+        ... except ShardedUsageError as e:
+        ...     print(e)
+    """
 
 
 class ShardedDeepcopyError(RuntimeError, AssertionError):
-    """``copy.deepcopy`` of a sharded module; torch's FSDP2 raises ``AssertionError`` there."""
+    """``copy.deepcopy`` of a sharded module; torch's FSDP2 raises ``AssertionError`` there.
+
+    Example::
+
+        >>> from fully_shard import ShardedDeepcopyError
+        >>> try:
+        ...     copy.deepcopy(sharded_model)
+        ... except ShardedDeepcopyError:
+        ...     ...  # deep-copy the model before fully_shard instead
+    """
 
 
 class _Owner:
@@ -181,12 +200,7 @@ def fully_shard(
         >>> model(tokens).sum().backward(); opt.step(); opt.zero_grad()
     """
     modules = _as_modules(module)
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
-    if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
-        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
+    check_options(mp_policy, offload_policy, reshard_after_forward)
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
     reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info)
     device = mesh_info.device
@@ -224,6 +238,25 @@ def fully_shard(
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: Any) -> None:
+    """The checks ``fully_shard`` makes of its policies and ``reshard_after_forward`` before
+    it looks at the mesh (an int is checked against the shard size by
+    ``mesh.resolve_reshard_after_forward``). Pure: the memory planner makes them too.
+
+    Example::
+
+        >>> check_options(MixedPrecisionPolicy(), OffloadPolicy(), "yes")
+        Traceback (most recent call last):
+        ValueError: reshard_after_forward must be a bool, an int or None, got 'yes'
+    """
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
+    if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
+        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
 
 
 def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, mesh: DeviceMesh) -> int:
@@ -288,15 +321,50 @@ def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
         )
 
 
-def _owner_param_name(owner: _Owner, modules: tuple[nn.Module, ...]) -> str:
-    """The owner's parameter, by its name under ``modules`` where it lies there."""
-    owner_modules = {id(m) for m in owner.modules}
-    for i, top in enumerate(modules):
-        for name, m in top.named_modules():
-            if id(m) in owner_modules:
-                prefix = (f"{i}." if len(modules) > 1 else "") + (f"{name}." if name else "")
-                return f"parameter {prefix + owner.fqn!r}"
-    return f"its parameter {owner.fqn!r}"
+def _outermost(module: nn.Module) -> nn.Module:
+    """The outermost live module holding ``module`` (through parents' ``_modules``), found
+    by a scan of the garbage collector's live objects: for error messages only."""
+    import gc
+
+    parents: dict[int, nn.Module] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn.Module):
+            for child in obj._modules.values():
+                if child is not None:
+                    parents.setdefault(id(child), obj)
+    seen = {id(module)}
+    while id(module) in parents and id(parents[id(module)]) not in seen:
+        module = parents[id(module)]
+        seen.add(id(module))
+    return module
+
+
+def _tie_names(fqn: str, modules: tuple[nn.Module, ...], owner: _Owner) -> tuple[str, str, str, str]:
+    """(this call, this parameter, the owner's parameter, the owner's call), each by its name in
+    the outermost model that holds both calls' modules where there is one, else by the calls'
+    module classes and the parameters' names under them."""
+    owner_modules = owner.modules
+    top = _outermost(modules[0])
+    paths: dict[int, str] = {}
+    for name, m in top.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name)
+
+    def name_in(mods: tuple[Any, ...], local: str) -> str | None:
+        index, rest = local.split(".", 1) if len(mods) > 1 else ("0", local)
+        base = paths.get(id(mods[int(index)]))
+        return None if base is None else (f"{base}.{rest}" if base else rest)
+
+    def call(mods: tuple[Any, ...]) -> str:
+        def one(m: nn.Module) -> str:
+            cls = type(m).__bases__[1] if type(m).__bases__[0] is FSDPModule else type(m)  # FSDP<cls>
+            return f"{paths[id(m)]} ({cls.__name__})" if paths.get(id(m)) else cls.__name__
+
+        return ", ".join(map(one, mods)) if len(mods) == 1 else "[" + ", ".join(map(one, mods)) + "]"
+
+    mine, theirs = name_in(modules, fqn), name_in(owner_modules, owner.fqn)
+    if mine is None or theirs is None:
+        return ", ".join(type(m).__name__ for m in modules), fqn, owner.fqn, owner.label
+    return call(modules), mine, theirs, call(owner_modules)
 
 
 def _collect_params(
@@ -305,45 +373,64 @@ def _collect_params(
     """The parameters this call owns: reachable from ``modules`` without passing through a
     module an earlier call sharded. Maps each to its name and every place it is registered."""
     found: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
+    for fqn, module, name, p in walk_params(modules, lambda m: getattr(m, STATE_ATTR, None) is not None):
+        if p in ignored:
+            continue
+        owner: _Owner | None = p.__dict__.get(OWNER_ATTR)
+        if owner is not None:
+            if any(owner.encloses(m) for m in modules):
+                raise ValueError(
+                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
+                    f"by the fully_shard call on {owner.label}, an enclosing module. Apply "
+                    "fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
+                )
+            this_call, this_name, owner_name, owner_call = _tie_names(fqn, modules, owner)
+            raise ValueError(
+                f"fully_shard({this_call}): parameter {this_name!r} is tied to (or shared with) "
+                f"parameter {owner_name!r}, which the fully_shard call on {owner_call} already sharded. "
+                "Tied parameters must be in one group: pass both modules in one call, "
+                "fully_shard([a, b]), or shard their common parent instead."
+            )
+        if p in found:
+            found[p][1].append((module, name))
+        else:
+            found[p] = (fqn, [(module, name)])
+    return found
+
+
+def walk_params(
+    modules: tuple[nn.Module, ...], is_sharded: Callable[[nn.Module], bool]
+) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
+    """Every registration ``(fqn, module, name, parameter)`` that a ``fully_shard`` call on
+    ``modules`` reaches: each module visited once, not entering a module that ``is_sharded``
+    says an earlier (inner) call sharded, children before a module's own parameters. A
+    parameter registered in several places comes once per place. Pure: the memory planner
+    walks a meta-device model with it.
+
+    Example::
+
+        >>> [fqn for fqn, *_ in walk_params((model,), lambda m: m in blocks)]
+        ['tok_embeddings.weight', 'norm.weight', 'output.weight']
+    """
     visited: set[int] = set()
 
-    def visit(module: nn.Module, prefix: str, top: bool) -> None:
+    def visit(module: nn.Module, prefix: str, top: bool) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
         if id(module) in visited:
             return
         visited.add(id(module))
-        if not top and getattr(module, STATE_ATTR, None) is not None:
+        if not top and is_sharded(module):
             return  # owned by an inner call
         # children before the module's own parameters (post-order, as torch's FSDP2 lays out
         # its flat buffers): the same layout makes the same collectives, element for element
         for child_name, child in module._modules.items():
             if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
+                yield from visit(child, f"{prefix}{child_name}.", False)
         for name, p in module._parameters.items():
-            if p is None or p in ignored:
-                continue
-            fqn = prefix + name
-            owner: _Owner | None = p.__dict__.get(OWNER_ATTR)
-            if owner is not None:
-                if any(owner.encloses(m) for m in modules):
-                    raise ValueError(
-                        f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
-                        f"by the fully_shard call on {owner.label}, an enclosing module. Apply "
-                        "fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
-                    )
-                raise ValueError(
-                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is tied to (or shared "
-                    f"with) {_owner_param_name(owner, modules)}, which the fully_shard call on {owner.label} already sharded. "
-                    "Tied parameters must be in one group: pass both modules in one call, "
-                    "fully_shard([a, b]), or shard their common parent instead."
-                )
-            if p in found:
-                found[p][1].append((module, name))
-            else:
-                found[p] = (fqn, [(module, name)])
+            if p is not None:
+                yield prefix + name, module, name, p
 
     for i, m in enumerate(modules):
-        visit(m, f"{i}." if len(modules) > 1 else "", True)
-    return found
+        yield from visit(m, f"{i}." if len(modules) > 1 else "", True)
 
 
 def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:

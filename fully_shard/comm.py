@@ -28,7 +28,11 @@ _AVG_SAFE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 @dataclass
 class CollectiveEvent:
-    """One collective fully_shard issued, for observers (``fully_shard.tools.trace_comm``)."""
+    """One collective fully_shard issued, for observers (``fully_shard.tools.trace_comm``).
+
+    The observer seam (``add_observer``) is the one internal interface the tools build on:
+    read the fields, never parse ``what``, which is a message for people.
+    """
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
     what: str  # e.g. "all-gather of layers.0's parameters"
@@ -37,6 +41,7 @@ class CollectiveEvent:
     backward: bool  # issued while autograd ran backward
     start: float  # time.perf_counter() at issue
     end: float | None = None  # ... when its wait returned (on accelerators: CPU-side time)
+    label: str = ""  # the fully_shard group it is for: the module's FQN, "<Class> (root)" for the root
 
 
 DEBUG_ENV = "FULLY_SHARD_DEBUG"  # "1": debug mode from the start, no code change needed
@@ -102,14 +107,16 @@ def _check_same_everywhere(group: dist.ProcessGroup, fingerprint: tuple[Any, ...
         )
 
 
-def _issue(kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, call: Callable[[], Any]) -> tuple[Any, CollectiveEvent | None]:
+def _issue(
+    kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, call: Callable[[], Any], label: str = ""
+) -> tuple[Any, CollectiveEvent | None]:
     """Issue a collective, checked (debug mode) and observed (traces)."""
     if monitor.debug_counts is not None:
         _check_same_everywhere(group, (kind, what, inp.numel(), str(inp.dtype)), monitor.debug_counts)
     event = None
     if monitor.observers:
         backward = torch._C._current_graph_task_id() != -1
-        event = CollectiveEvent(kind, what, group.size(), inp.numel() * inp.element_size(), backward, time.perf_counter())
+        event = CollectiveEvent(kind, what, group.size(), inp.numel() * inp.element_size(), backward, time.perf_counter(), label=label)
     return call(), event
 
 
@@ -189,9 +196,9 @@ class ReduceScatterWork(CollectiveWork):
         return super().wait()
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str) -> None:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str, label: str = "") -> None:
     """HSDP: reduce the reduce-scatter output across replicas, in place."""
-    work, event = _issue("all_reduce", what, group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    work, event = _issue("all_reduce", what, group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), label)
     _wait(work, what)
     _finish(event)
 
@@ -221,6 +228,7 @@ def all_gather(
     async_op: bool,
     what: str = "all-gather",
     custom: Any = None,
+    label: str = "",
 ) -> CollectiveWork:
     """Pack ``shards`` (each padded to its ``shard_numels`` entry) into this rank's slot
     (``rank`` in ``group``) of the output and all-gather in place.
@@ -240,7 +248,7 @@ def all_gather(
         call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=async_op)  # noqa: E731
     else:
         call = lambda: getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)  # noqa: E731
-    work, event = _issue("all_gather", what, group, inp, call)
+    work, event = _issue("all_gather", what, group, inp, call, label)
     return CollectiveWork(work, inp, out, world_size, what, event)
 
 
@@ -295,6 +303,7 @@ def reduce_scatter(
     what: str = "reduce-scatter",
     custom: Any = None,
     force_sum: bool = False,
+    label: str = "",
 ) -> ReduceScatterWork:
     """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard.
 
@@ -326,5 +335,6 @@ def reduce_scatter(
         (lambda: custom(output_tensor=out, input_tensor=flat, group=group, op=op, async_op=async_op))
         if custom is not None
         else (lambda: getattr(dist, _REDUCE_SCATTER)(out, flat, op=op, group=group, async_op=async_op)),
+        label,
     )
     return ReduceScatterWork(work, inp, out, world_size, what, event, post, op)

@@ -32,6 +32,20 @@ _TRANSITIONS = {
 }
 
 
+def next_state(label: str, current: GroupState, new: GroupState) -> GroupState:
+    """``new`` if the transition table lets a group go there from ``current``; otherwise an
+    internal error naming the group. Pure: the memory planner replays a step through it.
+
+    Example::
+
+        >>> next_state("layers.0", GroupState.SHARDED, GroupState.UNSHARDING)
+        <GroupState.UNSHARDING: 3>
+    """
+    if new not in _TRANSITIONS[current]:
+        raise AssertionError(f"fully_shard internal error: group {label} cannot go from {current.name} to {new.name}")
+    return new
+
+
 class ParamGroup:
     """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call.
 
@@ -77,9 +91,7 @@ class ParamGroup:
         self.needs_post_backward = False
 
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
-        if not reset and state not in _TRANSITIONS[self.state]:
-            raise AssertionError(f"fully_shard internal error: group {self.label} cannot go from {self.state.name} to {state.name}")
-        self.state = state
+        self.state = state if reset else next_state(self.label, self.state, state)
 
     def _streams(self) -> Streams:
         if self.streams is None:  # used before any root forward (e.g. an explicit unshard())
@@ -106,7 +118,10 @@ class ParamGroup:
 
         def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str) -> comm.CollectiveWork:
             group, size, rank = (info.shard_group, info.shard_size, info.shard_rank) if pf is None else (pf.group, pf.size, pf.rank)
-            return comm.all_gather(shards, numels, group, size, rank, dtype, self.device, async_op=True, what=what, custom=self.all_gather_comm)
+            return comm.all_gather(
+                shards, numels, group, size, rank, dtype, self.device, async_op=True, what=what, custom=self.all_gather_comm,
+                label=self.label,
+            )
 
         if pf is not None:  # POST_FORWARD
             works = [
@@ -276,6 +291,7 @@ class ParamGroup:
             what=f"reduce-scatter of {self.label}'s gradients",
             custom=self.reduce_scatter_comm,
             force_sum=self.force_sum_reduction,
+            label=self.label,
         )
 
     def finish_reduce(self, pending: PendingReduce) -> None:
@@ -301,7 +317,7 @@ class ParamGroup:
                 if not pending.all_reduce:
                     self._partials[key] = output  # reduced within the shard group only
                     continue
-                comm.all_reduce(output, info.replicate_group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients")
+                comm.all_reduce(output, info.replicate_group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label)
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(output)
             if work.post_divide is not None and work.post_divide != 1:

@@ -69,16 +69,19 @@ class PostForwardInfo:
     rank: int  # this rank's index among the k
 
 
-def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, PostForwardInfo | None]:
-    """``reshard_after_forward`` as torch reads it, once: whether to reshard after forward
-    (``None``: decided at lazy init) and, for an int ``k``, this rank's k-rank group.
+def reshard_setting(value: bool | int | None, n: int) -> bool | int | None:
+    """``reshard_after_forward`` as torch reads it, for a shard group of ``n`` ranks: ``None``
+    or a bool as given; an int ``k`` must divide ``n``; ``n`` means True (reshard to the whole
+    group), 1 means False (keep the full parameters, with a warning, as 1 reads like True);
+    any other ``k`` stays ``k``. Pure: the memory planner reads the option through it too.
 
-    ``k`` must divide the shard group size ``n``; ``n`` means True (reshard to the whole
-    group), 1 means False (keep the full parameters, with a warning, as 1 reads like True).
+    Example::
+
+        >>> reshard_setting(8, 8), reshard_setting(2, 8)
+        (True, 2)
     """
     if value is None or isinstance(value, bool):
-        return value, None
-    n = info.shard_size
+        return value
     if not (1 <= value <= n and n % value == 0):
         raise ValueError(
             f"reshard_after_forward={value} must be a divisor of the shard group size {n} "
@@ -88,14 +91,21 @@ def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> t
         warnings.warn(
             "reshard_after_forward=1 (int) reshards to groups of 1 rank, which keeps the full "
             "parameters after forward like reshard_after_forward=False; pass True to free them",
-            stacklevel=3,
+            stacklevel=4,
         )
-        return False, None
-    if value == n:
-        return True, None
+        return False
+    return True if value == n else value
+
+
+def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, PostForwardInfo | None]:
+    """``reshard_after_forward``, once: whether to reshard after forward (``None``: decided
+    at lazy init) and, for an int ``k`` (see :func:`reshard_setting`), this rank's k-rank group."""
+    setting = reshard_setting(value, info.shard_size)
+    if setting is None or isinstance(setting, bool):
+        return setting, None
     if info.spmd_mesh is not None:
         raise NotImplementedError("reshard_after_forward=<int> is not supported with dp_mesh_dims; pass True or False")
-    return True, _post_forward_info(info, value)
+    return True, _post_forward_info(info, setting)
 
 
 def _post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,67 @@ from .policy import MixedPrecisionPolicy
 # the attribute, on an original parameter and its sharded replacement, that names the
 # fully_shard call owning them (``ShardedParam.owner``)
 OWNER_ATTR = "_fully_shard_owner"
+
+
+class ShardLayout(NamedTuple):
+    """Where one rank's part of a parameter sharded on dim 0 lies (see :func:`shard_layout`)."""
+
+    chunk_rows: int  # rows of every rank's slot in the flat collective buffers: ceil(rows / world)
+    row_start: int  # first row this rank holds
+    local_rows: int  # rows this rank holds (the last ranks may hold fewer, or none)
+    row_numel: int  # elements per row: the product of the other dims
+    world: int  # ranks in the shard dim
+
+    @property
+    def local_numel(self) -> int:
+        """Elements this rank holds (its sharded parameter, gradient and optimizer state)."""
+        return self.local_rows * self.row_numel
+
+    @property
+    def slot_numel(self) -> int:
+        """Elements of every rank's padded slot in the all-gather / reduce-scatter buffers."""
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements of the padded unsharded buffer: ``world`` slots."""
+        return self.world * self.slot_numel
+
+
+def shard_layout(shape: Sequence[int], world: int, rank: int) -> ShardLayout:
+    """fully_shard's dim-0 layout of a parameter of ``shape`` on ``rank`` of ``world``.
+
+    ``torch.chunk`` semantics: ``c = ceil(rows / world)`` rows per rank; rank ``r`` holds rows
+    ``[r*c, min((r+1)*c, rows))`` and every rank's slot in the flat collective buffers is ``c``
+    rows (padded). Pure: :class:`ShardedParam` and the memory planner both lay out with it.
+
+    Example::
+
+        >>> shard_layout((10, 4), world=4, rank=3)  # rows 9..9 of slots of 3 rows
+        ShardLayout(chunk_rows=3, row_start=9, local_rows=1, row_numel=4, world=4)
+        >>> shard_layout((10, 4), 4, 3).local_numel, shard_layout((10, 4), 4, 3).slot_numel
+        (4, 12)
+    """
+    if len(shape) == 0:
+        raise ValueError("fully_shard cannot shard a scalar parameter: give it shape (1,)")
+    rows = shape[0]
+    chunk = math.ceil(rows / world)
+    start = min(rank * chunk, rows)
+    return ShardLayout(chunk, start, min(start + chunk, rows) - start, math.prod(shape[1:]), world)
+
+
+def param_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
+    """``(unsharded dtype, reduce dtype)`` of a parameter stored in ``dtype``: the all-gather and
+    compute dtype (``param_dtype`` casts floating-point parameters only), and the gradient
+    reduction's (``reduce_dtype``, else the unsharded one).
+
+    Example::
+
+        >>> param_dtypes(torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        (torch.bfloat16, torch.bfloat16)
+    """
+    unsharded = (mp_policy.param_dtype if dtype.is_floating_point else None) or dtype
+    return unsharded, mp_policy.reduce_dtype or unsharded
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
@@ -94,14 +155,11 @@ class ShardedParam:
                 "evenly; only dim 0 may be uneven. Return Shard(0) (or None) for it."
             )
         if shard_dim == 0:
-            rows = self.size[0]
-            self.chunk_rows = math.ceil(rows / world)
-            self.shard_numel = self.chunk_rows * math.prod(self.size[1:])  # padded per-rank slot
-            start = min(rank * self.chunk_rows, rows)
-            self.local_rows = min(start + self.chunk_rows, rows) - start
-            self.row_start = start
+            layout = shard_layout(self.size, world, rank)
+            self.chunk_rows, self.row_start, self.local_rows = layout.chunk_rows, layout.row_start, layout.local_rows
+            self.shard_numel = layout.slot_numel  # padded per-rank slot
             self.padded_shape = (world * self.chunk_rows, *self.size[1:])
-            src = data.detach()[start : start + self.local_rows]
+            src = data.detach()[self.row_start : self.row_start + self.local_rows]
         else:
             src = data.detach().chunk(world, dim=shard_dim)[rank]
             self.shard_numel = src.numel()
@@ -142,9 +200,8 @@ class ShardedParam:
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
-        cast = self.mp_policy.param_dtype if dtype.is_floating_point else None
-        self.unsharded_dtype = cast or dtype  # all-gather and compute
-        self.reduce_dtype = self.mp_policy.reduce_dtype or self.unsharded_dtype  # reduce-scatter
+        # all-gather and compute; reduce-scatter
+        self.unsharded_dtype, self.reduce_dtype = param_dtypes(dtype, self.mp_policy)
 
     def refresh_after_apply(self) -> None:
         """After ``to_empty()`` / ``to()`` / ``.double()``: keep offloaded shards on the CPU,

@@ -66,6 +66,9 @@ class CollectiveRecord:
     dtype: str  # e.g. "float32"
     op: str | None  # reductions: "SUM", "AVG", ...; None otherwise
     api: str  # the torch.distributed function called
+    # all_to_all_single: elements sent to / received from each rank (None: even splits)
+    input_splits: tuple[int, ...] | None = None
+    output_splits: tuple[int, ...] | None = None
 
     @property
     def is_mark(self) -> bool:
@@ -169,7 +172,11 @@ class CollectiveRecorder:
         group_size = dist.get_world_size(group) if group is not None else dist.get_world_size()
         inp = bound.get(input_arg)
         op = _op_name(bound["op"]) if kind in _REDUCTIONS and "op" in bound else None
-        self.records.append(CollectiveRecord(kind, group_size, _numel(inp), _dtype(inp), op, name))
+        splits = [bound.get(k) for k in ("input_split_sizes", "output_split_sizes")]
+        input_splits, output_splits = (None if sp is None else tuple(sp) for sp in splits)
+        self.records.append(
+            CollectiveRecord(kind, group_size, _numel(inp), _dtype(inp), op, name, input_splits, output_splits)
+        )
 
     # -- queries -------------------------------------------------------------------
 

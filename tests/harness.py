@@ -308,7 +308,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         _init_default_group(store, state["generation"], rank, world_size)
     except BaseException:
         conn.send((_MSG_ERR, "worker start-up failed:\n" + traceback.format_exc()))
-        return
+        _flush_std_streams()
+        os._exit(1)  # as below: no finalization while a half-made process group may hold threads
     conn.send((_MSG_READY, os.getpid()))
 
     while True:

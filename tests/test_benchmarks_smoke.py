@@ -2,7 +2,8 @@
 
 No timing assertions: the run succeeds, the Markdown and JSON results hold every section and
 key that docs/benchmarks.md describes, and the byte counts that are exact by construction
-(the simulated steps against the analytic formulas) are equal.
+are equal: the recorded step's collectives, fully_shard's sharded parameters and the
+simulated steps against the analytic formulas, Muon's bytes against its layout.
 """
 
 from __future__ import annotations
@@ -51,13 +52,23 @@ def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
         assert res["step_time"][impl]["median_s"] > 0, impl
     assert {"median", "min", "max", "pairs"} <= set(res["ratio"])
     assert {"fully_shard", "torch_fsdp2", "ddp"} <= set(res["final_loss"])
+    analytic = res["analytic"]
     for impl in ("fully_shard", "torch_fsdp2"):
         got = res["collectives"][impl]
         assert got["forward"]["all_gather"]["count"] > 0
         assert got["backward"]["reduce_scatter"]["input_bytes"] > 0
-    assert "collectives" in res["analytic"]
+        # the recorded step's collectives equal the analytic formulas (fp32, reshard_after_forward=True)
+        measured = {
+            phase: {kind: {"count": k["count"], "input_bytes": k["input_bytes"]} for kind, k in kinds.items()}
+            for phase, kinds in got.items()
+            if kinds
+        }
+        assert measured == analytic["collectives"], (impl, measured, analytic["collectives"])
     mem = res["memory_per_rank"]
     assert len(mem) == 2
+    for rank in range(2):
+        # fully_shard's sharded parameters are exactly the analytic bytes of this rank's shards
+        assert mem[rank]["fully_shard"]["state_bytes"]["params"] == analytic["state_bytes_per_rank"][rank]["params"], rank
     for impl in ("fully_shard", "torch_fsdp2", "ddp"):
         assert mem[0][impl]["peak_bytes"] > 0, impl
         assert {"params", "grads", "optimizer", "other"} <= set(mem[0][impl]["at_peak"])
@@ -83,6 +94,12 @@ def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
     ours = muon["steps"][0]["result"]["impls"]["fully_shard.optim.Muon"]
     assert ours["collectives"] == 2, ours  # one bucket: one all-to-all each way
     assert all(p["sent_bytes_rank0"] == p["expected_sent_bytes_rank0"] for p in muon["simulation"]["points"])
+    for p in muon["simulation"]["points"]:
+        # every rank's bytes summed from the layout equal 2 (W-1)/W x matrix bytes when the rows
+        # divide by W (each owner then holds 1/W of its matrix); exact integer arithmetic
+        if p["rows_divide"]:
+            assert p["predicted_total_bytes"] == p["analytic_all_ranks_bytes"], p
+        assert "collectives" in p["torch_muon"] or "error" in p["torch_muon"], p["torch_muon"]
 
     md = mds[0].read_text()
     for heading in (

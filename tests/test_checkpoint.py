@@ -37,6 +37,7 @@ from fully_shard import fully_shard
 from tests.collectives import CollectiveRecorder
 from tests.harness import device, device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.oracle import average_gradients
 from tests.test_tp import TP_PLAN
 
 ARGS = ModelArgs(n_layers=2)
@@ -597,8 +598,7 @@ def _clip(kind: str, impl: str, per_mesh: bool = False, max_norm: float = 0.5) -
     shard(model, mesh=dp_mesh)
     x = batch(0, data_rank, ARGS)
     loss_fn(ref(x), x).backward()
-    for p in ref.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    average_gradients(ref)
     loss_fn(model(x), x).backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     assert ref_norm > 2 * max_norm, ref_norm  # the test clips for real

@@ -168,6 +168,7 @@ def _matrix_body(cases: list[Case], ac: bool) -> dict[Any, dict[str, Any]]:
 def _check_matrix(results: dict[Any, dict[str, Any]], cases: list[Case]) -> None:
     """Every case of ours against the eager run; against torch FSDP2's same case if run."""
     ref = results[("ours", "eager-reference")]
+    # bitwise on any CPU: eager ours vs eager torch FSDP2, the same layout and AVG of two gradients
     assert ref["losses"] == results[("torch", "eager-reference")]["losses"]
     assert ref["losses"][0] != ref["losses"][1] and ref["graphs"] == 0
     for impl, backend, placement in cases:
@@ -188,6 +189,7 @@ def _check_matrix(results: dict[Any, dict[str, Any]], cases: list[Case]) -> None
         if theirs is None:
             continue
         assert theirs["graphs"] == 1, f"{what}: torch FSDP2 compiled {theirs['graphs']} graphs"
+        # bitwise on any CPU: the same graphs (so the same kernels) and collectives as torch FSDP2
         assert ours["losses"] == theirs["losses"], f"{what}: losses {ours['losses']} != torch FSDP2's {theirs['losses']}"
         for name, p in ours["params"].items():
             torch.testing.assert_close(p, theirs["params"][name], **BITWISE, msg=lambda m: f"{what}, {name} vs torch: {m}")
@@ -281,6 +283,7 @@ def test_no_recompile_after_first_step() -> None:
         assert counts["after"] == counts["warm"], f"recompiled: {counts['warm']} -> {counts['after']}"
     # a no_grad forward compiles an inference graph, once, with either implementation
     assert ours["inference"]["graphs_compiled"] == theirs["inference"]["graphs_compiled"] == 2
+    # bitwise on any CPU: the same compiled graphs and collectives as torch FSDP2 on the same layout
     assert ours["losses"] == theirs["losses"]
     for name, p in ours["params"].items():
         # bitwise on any CPU: the same compiled graphs and collectives as torch FSDP2 on the same layout

@@ -1,7 +1,8 @@
 """User misuse: each raises a clear error (type and message) instead of a confusing one or
 silently wrong training. Also the remedies the messages recommend must work.
 
-Cases run on a 1-rank pool (cheapest) unless the misuse needs several ranks. Each case is
+Cases run on a 1-rank pool (cheapest) unless the misuse needs several ranks; the errors that
+name a module or parameter by its name in the model run on 2 ranks, as users meet them. Each case is
 a module-level function run by :func:`_catching`, which returns the exception it raised.
 """
 
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+
+import fully_shard
 
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
@@ -182,6 +185,20 @@ def _case_tied_root_and_block() -> None:
     _shard_nested(model)
 
 
+def _case_tied_grouped_calls() -> None:
+    model = Transformer(ARGS)
+    model.output.weight = model.tok_embeddings.weight
+    _fully_shard([model.norm, model.output])
+    _fully_shard([model.layers[0], model.tok_embeddings])
+
+
+def _case_tied_no_model() -> None:
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    _fully_shard(a)
+    _fully_shard(b)
+
+
 def _case_module_list() -> None:
     _fully_shard(Transformer(ARGS).layers)
 
@@ -256,11 +273,23 @@ def _case_reset_iter_state_non_root() -> None:
 
 def _case_reset_iter_state_root_before_forward() -> None:
     """E.g. the data loader raised in the first iteration, before any forward: resetting
-    the root has nothing to undo and must not claim it is not the root."""
+    the root has nothing to undo and must not claim it is not the root; the first step
+    then is the step of a model that was never reset."""
+    torch.manual_seed(0)
     model = _shard_nested(Transformer(ARGS))
     model.reset_iter_state()
+    torch.manual_seed(0)
+    never_reset = _shard_nested(Transformer(ARGS))
     x = batch(0, 0)
-    loss_fn(model(x), x).backward()
+    losses = []
+    for m in (model, never_reset):
+        loss = loss_fn(m(x), x)
+        loss.backward()
+        losses.append(loss)
+    # bitwise on any CPU: the same model and batch on one rank, the same arithmetic
+    assert torch.equal(losses[0], losses[1]), losses
+    for (name, p), q in zip(model.named_parameters(), never_reset.parameters()):
+        assert p.grad is not None and torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
 
 
 def _case_setter_bad_values(which: str) -> None:
@@ -340,7 +369,7 @@ def test_setter_bad_values(which: str, fragment: str) -> None:
 
 
 def test_scalar_parameter() -> None:
-    _expect_error(_case_scalar_parameter, ValueError, "'scale'", "scalar", "ignored_params")
+    _expect_error(_case_scalar_parameter, ValueError, "'scale'", "scalar", "ignored_params", world_size=2)
 
 
 def test_scalar_parameter_ignored_params_remedy() -> None:
@@ -354,12 +383,12 @@ def test_scalar_parameter_ignored_params_remedy() -> None:
 
 def test_meta_parameter_at_first_forward_names_fqn_from_root() -> None:
     _expect_error(
-        _case_meta_submodule_at_first_forward, RuntimeError, "'layers.0.attention.wq.weight'", "meta", "to_empty"
+        _case_meta_submodule_at_first_forward, RuntimeError, "'layers.0.attention.wq.weight'", "meta", "to_empty", world_size=2
     )
 
 
 def test_meta_model_forward_without_to_empty() -> None:
-    msg = _expect_error(_case_meta_model_forward_without_to_empty, RuntimeError, "meta", "to_empty")
+    msg = _expect_error(_case_meta_model_forward_without_to_empty, RuntimeError, "meta", "to_empty", world_size=2)
     named = re.search(r"parameter '([^']+)'", msg)
     assert named is not None, msg
     assert named.group(1) in {n for n, _ in Transformer(ARGS).named_parameters()}, msg
@@ -381,6 +410,7 @@ def test_cast_to_float64_after_fully_shard() -> None:
 def test_deepcopy_of_sharded_model() -> None:
     _expect_error(_case_deepcopy, RuntimeError, "deepcopy", "before calling fully_shard")
     _expect_error(_case_deepcopy, AssertionError, "deepcopy")  # torch FSDP2's type, too
+    _expect_error(_case_deepcopy, fully_shard.ShardedDeepcopyError, "deepcopy")  # exported: users can catch it
 
 
 def test_deepcopy_of_model_with_sharded_blocks() -> None:
@@ -390,25 +420,57 @@ def test_deepcopy_of_model_with_sharded_blocks() -> None:
 def test_fully_shard_twice_on_one_module() -> None:
     _expect_error(_case_fully_shard_twice, ValueError, "already", "once")
     _expect_error(_case_fully_shard_twice, AssertionError, "already")  # torch FSDP2's type, too
+    _expect_error(_case_fully_shard_twice, fully_shard.ShardedUsageError, "already")  # exported: users can catch it
 
 
 def test_top_down_application_says_bottom_up() -> None:
-    _expect_error(_case_top_down, ValueError, "'attention_norm.weight'", "bottom-up")
+    _expect_error(_case_top_down, ValueError, "'attention_norm.weight'", "bottom-up", world_size=2)
+
+
+# Both calls by their modules' names in the model, each parameter by its name in the model
+# (found from the outermost module that holds both calls' modules).
+_TIED_BLOCKS = (
+    "fully_shard(layers.1 (Block)): parameter 'layers.1.attention.wq.weight' is tied to (or shared with) "
+    "parameter 'layers.0.attention.wq.weight', which the fully_shard call on layers.0 (Block) already sharded"
+)
 
 
 def test_parameter_tied_across_groups() -> None:
-    _expect_error(_case_parameter_tied_across_groups, ValueError, "'attention.wq.weight'", "tied", "one group")
+    _expect_error(_case_parameter_tied_across_groups, ValueError, _TIED_BLOCKS, "one group", world_size=2)
 
 
 def test_module_shared_across_groups_is_a_tie_not_top_down() -> None:
     # block 1 is not inside block 0: the message must not blame the wrapping order
-    msg = _expect_error(_case_module_shared_across_groups, ValueError, "'attention.wq.weight'", "tied", "one group")
+    msg = _expect_error(_case_module_shared_across_groups, ValueError, _TIED_BLOCKS, "one group", world_size=2)
     assert "bottom-up" not in msg, msg
 
 
 def test_parameter_tied_between_block_and_root() -> None:
-    # both by their names in the model
-    _expect_error(_case_tied_root_and_block, ValueError, "'output.weight'", "parameter 'layers.0.attention.wq.weight'", "tied", "one group")
+    _expect_error(
+        _case_tied_root_and_block, ValueError,
+        "fully_shard(Transformer): parameter 'output.weight' is tied to (or shared with) parameter "
+        "'layers.0.attention.wq.weight', which the fully_shard call on layers.0 (Block) already sharded",
+        "one group", world_size=2,
+    )
+
+
+def test_parameter_tied_between_grouped_calls() -> None:
+    _expect_error(
+        _case_tied_grouped_calls, ValueError,
+        "fully_shard([layers.0 (Block), tok_embeddings (Embedding)]): parameter 'tok_embeddings.weight' is tied "
+        "to (or shared with) parameter 'output.weight', which the fully_shard call on [norm (RMSNorm), output "
+        "(Linear)] already sharded",
+        "one group", world_size=2,
+    )
+
+
+def test_parameter_tied_outside_any_model_names_the_classes() -> None:
+    # no module holds both: the calls by their classes, the parameters by their local names
+    _expect_error(
+        _case_tied_no_model, ValueError,
+        "fully_shard(Linear): parameter 'weight' is tied to (or shared with) parameter 'weight', which "
+        "the fully_shard call on Linear already sharded", world_size=2,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -417,15 +479,15 @@ def test_parameter_tied_between_block_and_root() -> None:
 
 
 def test_child_forward_before_root() -> None:
-    _expect_error(_case_child_forward_before_root, RuntimeError, "'layers.0'", "root")
+    _expect_error(_case_child_forward_before_root, RuntimeError, "'layers.0'", "root", world_size=2)
 
 
 def test_forward_prefetch_with_non_fsdp_module() -> None:
-    _expect_error(_case_forward_prefetch_non_fsdp, ValueError, "set_modules_to_forward_prefetch", "'norm' (RMSNorm")
+    _expect_error(_case_forward_prefetch_non_fsdp, ValueError, "set_modules_to_forward_prefetch", "'norm' (RMSNorm", world_size=2)
 
 
 def test_backward_prefetch_with_non_fsdp_module() -> None:
-    _expect_error(_case_backward_prefetch_non_fsdp, ValueError, "set_modules_to_backward_prefetch", "'layers.0.attention' (Attention")
+    _expect_error(_case_backward_prefetch_non_fsdp, ValueError, "set_modules_to_backward_prefetch", "'layers.0.attention' (Attention", world_size=2)
 
 
 def test_reset_iter_state_on_non_root() -> None:

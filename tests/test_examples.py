@@ -1,8 +1,10 @@
-"""The examples run end to end: examples/train.py launches 2 gloo ranks and learns; its
+"""The examples run end to end: examples/train.py launches 2 gloo ranks and learns (also from the
+checked-in config, and under a terminal with its progress bar); its
 TOML job config, its data sampler's state and its learning-rate schedule."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -140,3 +142,74 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     assert warm == sorted(warm) and warm[0] > 0 and f(4) == 1.0
     decay = [f(s) for s in range(4, 21)]
     assert decay == sorted(decay, reverse=True) and abs(f(20) - 0.1) < 1e-12 and f(100) == f(20)
+
+
+def test_checked_in_config_runs_the_main_job(tmp_path: object) -> None:
+    """examples/train.py --config examples/llama_small.toml, cut to 2 steps by flags (flags win)
+    and with its outputs in tmp_path: the config's ranks, model, tokenizer and schedule are used."""
+    _examples()
+    from common import lr_lambda
+
+    metrics = os.path.join(str(tmp_path), "m.jsonl")
+    config = os.path.join(ROOT, "examples", "llama_small.toml")
+    result = _run(["--config", config, "--steps", "2", "--metrics", metrics, "--no-plot", "--no-progress"], timeout=240)
+    log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, log
+    # [job] nproc = 2; [model] n_layers = 4, dim = 128, tokenizer = "bpe", vocab_size = 1024
+    assert re.search(r"^fully_shard on 2 ranks \(gloo, cpu\) \| [\d,]+ parameters, optimizer AdamW, 4 blocks, dim 128 \| "
+                     r"mesh \(2,\) \| data: [\d,]+ tokens \(bpe, vocabulary 1024\)", result.stdout, re.M), log
+    assert re.findall(r"^step\s+(\d+)/2 \|", result.stdout, re.M) == ["1", "2"], log  # --steps 2 over steps = 120
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2], rows
+    # [training] lr = 3e-3, warmup = 10: LambdaLR multiplies the base lr by the schedule's factor
+    assert [r["lr"] for r in rows] == [3e-3 * lr_lambda(10, 2)(s) for s in (0, 1)], rows
+    assert "eval_loss" in rows[-1] and "eval_loss" not in rows[0], rows  # eval_every = 40: only the last step
+
+
+def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(tmp_path: object) -> None:
+    """The first command as a user sees it: under a pseudo-terminal, rank 0 draws a tqdm bar with
+    loss and tokens/s, the run ends naming the loss plot it wrote, and torch prints no NumPy warning."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    plot = os.path.join(str(tmp_path), "loss.png")
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # 200 columns: room for the postfix
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, "--nproc", "2", "--steps", "3", "--n-layers", "1", "--dim", "32", "--seq-len", "16",
+         "--batch-size", "2", "--tokenizer", "bytes", "--eval-batches", "1", "--plot", plot,
+         "--metrics", os.path.join(str(tmp_path), "m.jsonl")],
+        cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+    )
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every process holding the terminal has exited
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("examples/train.py under a terminal timed out:\n" + b"".join(chunks).decode(errors="replace"))
+        assert proc.wait(timeout=30) == 0, b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(master)
+    output = b"".join(chunks).decode(errors="replace")
+    # the bar's last state (written on close), e.g. "train: 100%|████| 3/3 [00:02<00:00, 1.2step/s, loss 5.4321, 1,234 tokens/s]"
+    assert re.search(r"train: 100%\|[^\r\n]*\| 3/3 \[[^\]\r\n]*, loss \d+\.\d{4}, [\d,]+ tokens/s\]", output), output
+    assert f"loss curve: {plot} (3 steps)" in output and os.path.getsize(plot) > 0, output
+    assert "NumPy" not in output, output  # torch: "Failed to initialize NumPy" when numpy is missing

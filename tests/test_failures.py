@@ -11,7 +11,6 @@ import copy
 import functools
 import os
 import re
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +27,7 @@ from fully_shard import fully_shard
 from fully_shard.comm import CollectiveError
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
-from tests.oracle import ShardwiseOptimizer
+from tests.oracle import ShardwiseOptimizer, average_gradients
 
 ARGS = ModelArgs(n_layers=3)
 
@@ -105,8 +104,7 @@ def _recover_and_train() -> dict[str, Any]:
         if fail is None:  # the reference skips the failed steps
             loss = loss_fn(ref(x), x)
             loss.backward()
-            for p in ref.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            average_gradients(ref)
             ref_opt.step()
             ref_opt.zero_grad()
             losses["ref"].append(loss.item())
@@ -146,11 +144,13 @@ def test_exception_on_all_ranks_then_reset_iter_state_and_continue() -> None:
     losses = _recovery()["losses"]
     assert len(losses["ref"]) == STEPS - len(FAILS), losses
     # bitwise the reference that skipped the failed steps (parameters compared on the ranks)
+    # on any CPU: the same forward on weights bitwise equal for the reason in _recover_and_train
     assert losses["ours"] == losses["ref"], losses
     # torch's FSDP2 agrees through the forward failure and up to the step after the backward
     # failure. Later it drifts: torch 2.13's reset_iter_state keeps the .grad of the root
     # group's unsharded parameters (norm, output, logit_scale) computed by the aborted
     # backward, and the next backward adds to them (zero_grad() cannot reach them).
+    # bitwise on any CPU: the same flat layout and AVG of two gradients, AdamW on the same shards
     assert losses["torch"][:3] == losses["ours"][:3], losses
 
 
@@ -189,7 +189,6 @@ def _one_rank_fails(where: str) -> dict[str, Any]:
     opt.zero_grad()
     dist.barrier()
     x = batch(1, rank, ARGS)
-    start = time.monotonic()
     try:
         if rank == 1:
             if where == "before forward":
@@ -202,23 +201,22 @@ def _one_rank_fails(where: str) -> dict[str, Any]:
             "type": type(e).__name__,
             "is_collective_error": isinstance(e, CollectiveError),
             "message": str(e),
-            "elapsed": time.monotonic() - start,
             "pg_name": pg.group_name,
         }
-    return {"type": None, "elapsed": time.monotonic() - start}
+    return {"type": None}
 
 
 def _check_one_rank_failure(where: str) -> None:
-    start = time.monotonic()
+    # a hang (no error on rank 0) fails here, in the harness, after 120 s
     results = run_distributed(_one_rank_fails, 2, where, timeout=120)
-    wall = time.monotonic() - start
     assert results[1]["type"] == "_Injected", results[1]
     r0 = results[0]
     assert r0["type"] is not None, f"rank 0 finished the step although rank 1 failed: {r0}"
     assert r0["is_collective_error"], f"rank 0 got {r0['type']}, not CollectiveError: {r0['message']}"
-    assert r0["elapsed"] < 30 and wall < 60, (r0["elapsed"], wall)
-    assert r0["elapsed"] >= TIMEOUT_S * 0.8, r0["elapsed"]  # it waited for the timeout, no longer
     message = r0["message"]
+    # bounded by the group's timeout: the collective that failed is the one gloo gave up on
+    # after TIMEOUT_S (not a clock reading, which a loaded machine stretches)
+    assert f"Timed out waiting {int(TIMEOUT_S * 1000)}ms" in message, message
     # which collective of which fully_shard group, and what to do about it
     assert re.search(r"(all-gather|reduce-scatter|all-reduce) of (layers\.\d|\w*Transformer \(root\))'s", message), message
     assert "reset_iter_state" in message and "timeout" in message, message

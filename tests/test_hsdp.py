@@ -2,11 +2,19 @@
 
 Oracles: the unsharded model trained with gradients averaged over all 4 ranks, and torch's
 FSDP2 with the same mesh and settings on the same inputs.
+
+The collective tables are element counts (fp32: 4 bytes each) of ``Transformer`` with 3
+blocks, derived in :func:`_derived_sizes` from the parameter shapes: a group split over
+``S`` ranks holds ``ceil(rows / S)`` rows of each parameter on every rank (``torch.chunk``,
+the last ranks padded up to it). At ``S = 2`` a block is 2*50 (norms) + 4*50*100
+(attention) + 2*75*100 + 50*150 (feed-forward) = 42600 elements and the root
+(tok_embeddings, norm, output, logit_scale) 34*100 + 50 + 34*100 + 1 = 6851.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import expecttest
 import pytest
@@ -19,6 +27,7 @@ from fully_shard import fully_shard
 from tests.collectives import CollectiveRecorder
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.oracle import REF_TOL, check_parameters, close, placements_like_torch, train_step
 
 # name -> (mesh shape, reshard_after_forward)
 CONFIGS = {
@@ -47,38 +56,20 @@ def _train(config: str, steps: int) -> list[str]:
     ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
     _shard(ours, fully_shard, mesh, reshard)
     _shard(theirs, torch_fully_shard, mesh, reshard)
-    models = (ref, ours, theirs)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    models = {"ref": ref, "ours": ours, "torch": theirs}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
     for step in range(steps):
-        x = batch(step, dist.get_rank())
-        losses = []
-        for model, opt in zip(models, opts):
-            loss = loss_fn(model(x), x)
-            loss.backward()
-            if model is ref:
-                for p in ref.parameters():
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss)
+        losses = train_step(models, opts, batch(step, dist.get_rank()), loss_fn)
         # vs torch's FSDP2, bitwise on any CPU: the same flat layout (params in post-order), the same
         # reduce-scatter and all-reduce over the same buffers in one process: gloo's order by construction
-        torch.testing.assert_close(losses[1], losses[2], rtol=0, atol=0)
+        close(losses["ours"], losses["torch"], 0.0, f"step {step} loss vs torch FSDP2")
         # vs all-reduce over 4 ranks: gloo sums in another order, fp32 rounding
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
-    placements = []
-    for (name, p_ref), p, tp in zip(ref.named_parameters(), ours.parameters(), theirs.parameters()):
-        assert p.placements == tp.placements and p.to_local().shape == tp.to_local().shape, name
-        # bitwise on any CPU: bitwise gradients (above) and AdamW over the same shard shapes
-        torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
-        # AdamW divides by sqrt(v): a near-zero gradient's last-bit difference moves a weight ~1e-5
-        torch.testing.assert_close(p.full_tensor(), p_ref, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
-        placements.append(f"{name}: {p.placements}")
-    sd, tsd = ours.state_dict(), theirs.state_dict()
-    assert list(sd) == list(tsd)
-    for key in sd:
-        assert sd[key].placements == tsd[key].placements, key
-    return placements
+        close(losses["ours"], losses["ref"], REF_TOL["loss"], f"step {step} loss vs reference")
+    # parameters: bitwise torch FSDP2's on any CPU (bitwise gradients, as the losses above, and
+    # AdamW over the same shard shapes); AdamW divides by sqrt(v): a near-zero gradient's
+    # last-bit difference moves a weight ~1e-5 from the reference (REF_TOL["param"])
+    check_parameters(ref, ours, theirs, REF_TOL["param"])
+    return placements_like_torch(ours, theirs)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -99,6 +90,29 @@ def _step_collectives(config: str, use_torch: bool) -> str:
         rec.mark("backward")
         loss.backward()
     return rec.table(("kind", "group_size", "numel"))
+
+
+def _shard_numel(params: list[torch.nn.Parameter], shards: int) -> int:
+    """Elements of one rank's padded shard of ``params`` split over ``shards`` ranks in dim 0."""
+    return sum(math.ceil(p.shape[0] / shards) * (p.numel() // p.shape[0]) for p in params)
+
+
+def _derived_sizes(shards: int) -> tuple[int, int]:
+    """(root, block): one rank's all-gather input of the root's own parameters and of a block."""
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(n_layers=3))
+    root = [p for name, p in model.named_parameters() if not name.startswith("layers.")]
+    return _shard_numel(root, shards), _shard_numel(list(model.layers[0].parameters()), shards)
+
+
+def _sizes(table: str) -> dict[str, set[int]]:
+    """The distinct element counts per "kind group_size" in a table."""
+    sizes: dict[str, set[int]] = {}
+    for line in table.splitlines():
+        if not line.startswith("--"):
+            kind, group, numel = line.split()
+            sizes.setdefault(f"{kind} {group}", set()).add(int(numel))
+    return sizes
 
 
 def _counts(table: str) -> dict[str, int]:
@@ -131,6 +145,14 @@ reduce_scatter  2  13702
 all_reduce      2  42600
 all_reduce      2  6851
 """)
+        # shards of 2 ranks: all-gathered in the shard group, reduce-scattered there from the
+        # whole (2 shards), then all-reduced over the 2 replicas
+        root, block = _derived_sizes(2)
+        self.assertEqual(_sizes(table), {
+            "all_gather 2": {root, block},
+            "reduce_scatter 2": {2 * root, 2 * block},
+            "all_reduce 2": {root, block},
+        })
         torch_table = run_distributed(_step_collectives, 4, "hsdp-2x2", True)[0]
         self.assertEqual(_counts(table), _counts(torch_table))
 
@@ -150,6 +172,14 @@ reduce_scatter  4  85600
 reduce_scatter  4  85600
 reduce_scatter  4  13704
 """)
+        # shards of 4 ranks; after forward each rank keeps its pair's 2 shards, gathered again
+        # in backward within the pair; reduce-scattered from the whole (4 shards)
+        root, block = _derived_sizes(4)
+        self.assertEqual(_sizes(table), {
+            "all_gather 4": {root, block},
+            "all_gather 2": {2 * block},
+            "reduce_scatter 4": {4 * root, 4 * block},
+        })
         torch_table = run_distributed(_step_collectives, 4, "reshard-k2", True)[0]
         self.assertEqual(_counts(table), _counts(torch_table))
 
@@ -162,6 +192,9 @@ all_reduce  4  85200
 all_reduce  4  85200
 all_reduce  4  13501
 """)
+        # one shard: the whole parameters, all-reduced over the 4 replicas
+        root, block = _derived_sizes(1)
+        self.assertEqual(_sizes(table), {"all_reduce 4": {root, block}})
 
 
 def _all_reduce_off(use_torch: bool) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests.collectives import CollectiveRecorder
 from tests.harness import device, device_type, run_distributed
 from tests.models import Transformer, batch, loss_fn
-from tests.oracle import ShardwiseOptimizer
+from tests.oracle import ShardwiseOptimizer, average_gradients
 
 BF16_FP32 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 FP16 = dict(param_dtype=torch.float16)
@@ -210,8 +210,7 @@ def _mixed_dtype_group(steps: int) -> dict:
     for step in range(steps):
         x = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + rank), device="cpu").to(device())
         ref(x).square().sum().backward()
-        for p in ref.parameters():
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        average_gradients(ref)
         ref_opt.step()
         ref_opt.zero_grad()
         with CollectiveRecorder() as rec:
@@ -257,8 +256,7 @@ def _offload(pin_memory: bool) -> None:
                 assert t.device.type == "cpu", (what, t.device)
         opt.zero_grad()
         loss_fn(ref(x), x).backward()
-        for p in ref.parameters():
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        average_gradients(ref)
         ref_opt.step()
         ref_opt.zero_grad()
     # computed on the mesh's device, kept on the host (the same device only on a CPU mesh)

@@ -22,8 +22,9 @@ Tolerances (fp32, gloo):
   reference's AdamW steps the same dim-0 chunks the ranks hold (``tests.oracle``).
 * world size 4: bitwise against torch FSDP2 (the same flat layout and reduce-scatter in the
   same process: the same gloo summation order by construction); against the all-reduce reference, which gloo sums in another order:
-  losses and gradients 1e-5, parameters after AdamW 1e-4 (Adam divides by sqrt(v): a
-  last-bit difference in a near-zero gradient moves a weight by up to ~lr * 1e-3).
+  losses and gradients 1e-5, parameters after AdamW 1e-4 (``tests.oracle.REF_TOL``; Adam
+  divides by sqrt(v): a last-bit difference in a near-zero gradient moves a weight by up to
+  ~lr * 1e-3).
   Measured: at most 2e-6 over every case (parameters of the tied model).
 * init / load / state: bitwise at every world size (they copy, they never reduce).
 """
@@ -45,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from tests.collectives import CollectiveRecord, CollectiveRecorder
 from tests.harness import device_type, run_distributed
 from tests.models import Block, FeedForward, ModelArgs, Transformer, batch, loss_fn
-from tests.oracle import ShardwiseOptimizer
+from tests.oracle import ShardwiseOptimizer, average_gradients, check_gradients, check_parameters, close, ref_tol
 
 # ---------------------------------------------------------------------------
 # Models (module level: the workers unpickle nothing but names)
@@ -164,26 +165,6 @@ def _shapes_loss(out: Any, tokens: torch.Tensor) -> torch.Tensor:
 # Helpers (run on the workers)
 # ---------------------------------------------------------------------------
 
-WS4_REF_TOL = {"loss": 1e-5, "grad": 1e-5, "param": 1e-4}
-
-
-def _tol(against: str, what: str) -> float:
-    if dist.get_world_size() <= 2 or against == "torch":
-        return 0.0
-    return WS4_REF_TOL[what]
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> float:
-    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
-    return (actual.detach() - expected.detach()).abs().max().item() if actual.numel() else 0.0
-
-
-def _rows(full: torch.Tensor, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s dim-0 shard of ``full`` (``torch.chunk``; empty past the end)."""
-    chunks = torch.chunk(full, dist.get_world_size())
-    return chunks[rank] if rank < len(chunks) else full[:0]
-
-
 def _our_fully_shard() -> Callable[..., Any]:
     from fully_shard import fully_shard
 
@@ -202,26 +183,6 @@ def _shard_nested(model: nn.Module, shard: Callable[..., Any], mesh: Any, **kw: 
         shard(block, mesh=mesh, **kw)
     shard(model, mesh=mesh)
     return model
-
-
-def _average_grads(model: nn.Module, keep_local: tuple[str, ...] = ()) -> None:
-    """The reference's gradient averaging; ``keep_local``: names left as they are.
-
-    World size 2: one flat all-reduce (bitwise either way, cheaper on gloo); beyond: one
-    all-reduce per gradient, which gloo sums in an order closer to the reduce-scatter's."""
-    grads = [p.grad for n, p in model.named_parameters() if p.grad is not None and n not in keep_local]
-    if dist.get_world_size() != 2:
-        for g in grads:
-            dist.all_reduce(g, op=dist.ReduceOp.AVG)
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
-    for g, avg in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-        g.copy_(avg.view_as(g))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _train(
@@ -266,37 +227,20 @@ def _train(
                 losses[k].backward()
             if k != "ref":
                 comms[k].append(rec.collectives())
-        _average_grads(ref, keep_local)
+        average_gradients(ref, keep_local)
         what = f"{case}: step {step}"
-        track("ref", _close(losses["ours"], losses["ref"], _tol("ref", "loss"), f"{what} loss vs reference"))
-        _close(losses["torch"], losses["ref"], _tol("ref", "loss"), f"{what} torch FSDP2 loss vs reference")
-        track("torch", _close(losses["ours"], losses["torch"], 0.0, f"{what} loss vs torch FSDP2"))
-        ref_params = dict(ref.named_parameters())
-        torch_params = dict(theirs.named_parameters())
-        for name, p in ours.named_parameters():
-            g, g_ref, g_torch = p.grad, ref_params[name].grad, torch_params[name].grad
-            assert (g is None) == (g_ref is None) == (g_torch is None), (
-                f"{what}: {name}.grad is None: ours {g is None}, reference {g_ref is None}, "
-                f"torch FSDP2 {g_torch is None}"
-            )
-            if g is None:
-                continue
-            assert isinstance(g, DTensor) == isinstance(p, DTensor), f"{what}: {name}.grad is {type(g).__name__}"
-            expected = _rows(g_ref, rank) if isinstance(p, DTensor) else g_ref
-            track("ref", _close(_local(g), expected, _tol("ref", "grad"), f"{what} grad of {name} vs reference"))
-            track("torch", _close(_local(g), _local(g_torch), 0.0, f"{what} grad of {name} vs torch FSDP2"))
+        track("ref", close(losses["ours"], losses["ref"], ref_tol("loss"), f"{what} loss vs reference"))
+        close(losses["torch"], losses["ref"], ref_tol("loss"), f"{what} torch FSDP2 loss vs reference")
+        track("torch", close(losses["ours"], losses["torch"], 0.0, f"{what} loss vs torch FSDP2"))
+        diffs = check_gradients(ref, ours, theirs, ref_tol("grad"), what)
+        track("ref", diffs[0])
+        track("torch", diffs[1])
         for opt in opts.values():
             opt.step()
             opt.zero_grad()
-    ref_params = dict(ref.named_parameters())
-    ours_params = dict(ours.named_parameters())
-    torch_params = dict(theirs.named_parameters())
-    assert ours_params.keys() == ref_params.keys() == torch_params.keys(), f"{case}: parameter names differ"
-    for name, p in ours_params.items():
-        what = f"{case}: parameter {name} after training"
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        track("ref", _close(full, ref_params[name], _tol("ref", "param"), what + " vs reference"))
-        track("torch", _close(_local(p), _local(torch_params[name]), 0.0, what + " vs torch FSDP2"))
+    diffs = check_parameters(ref, ours, theirs, ref_tol("param"), f"{case}: after training")
+    track("ref", diffs[0])
+    track("torch", diffs[1])
     return worst, comms
 
 
@@ -349,13 +293,13 @@ def case_meta_init(steps: int) -> dict[str, float]:
     torch_params = dict(theirs.named_parameters())
     for name, p in ours.named_parameters():
         assert isinstance(p, DTensor) and not p.is_meta, f"meta init: {name} is {type(p).__name__}"
-        _close(p.to_local(), torch_params[name].to_local(), 0.0, f"meta init: {name} after init vs torch FSDP2")
+        close(p.to_local(), torch_params[name].to_local(), 0.0, f"meta init: {name} after init vs torch FSDP2")
     ref = Transformer()
     with torch.no_grad():
         for (name, p_ref), p in zip(ref.named_parameters(), ours.parameters()):
             p_ref.copy_(p.full_tensor())
-    _close(ours.pos, ref.pos, 0.0, "meta init: the pos buffer recomputed by reset_parameters")
-    _close(theirs.pos, ref.pos, 0.0, "meta init: torch FSDP2's pos buffer")
+    close(ours.pos, ref.pos, 0.0, "meta init: the pos buffer recomputed by reset_parameters")
+    close(theirs.pos, ref.pos, 0.0, "meta init: torch FSDP2's pos buffer")
     worst, _ = _train("meta_init", {"ref": ref, "ours": ours, "torch": theirs}, steps)
     return worst
 
@@ -377,13 +321,13 @@ def _materialized(shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
     for (name, p_ref), (name2, p) in zip(ref.named_parameters(), model.named_parameters()):
         assert name == name2 and isinstance(p, DTensor), f"materialize {shape}: {name2} is {type(p).__name__}"
         out[name] = p.full_tensor()
-        _close(out[name], p_ref, 0.0, f"materialize on mesh {shape}: {name} vs torch.manual_seed(0); Transformer()")
+        close(out[name], p_ref, 0.0, f"materialize on mesh {shape}: {name} vs torch.manual_seed(0); Transformer()")
     assert not isinstance(model.pos, DTensor), "materialize: the pos buffer became a DTensor"
     out["pos"] = model.pos.clone()
-    _close(out["pos"], ref.pos, 0.0, f"materialize on mesh {shape}: the pos buffer")
+    close(out["pos"], ref.pos, 0.0, f"materialize on mesh {shape}: the pos buffer")
     # and it computes like the unsharded model
     x = batch(0, dist.get_rank())
-    _close(model(x), ref(x), 0.0, f"materialize on mesh {shape}: forward")
+    close(model(x), ref(x), 0.0, f"materialize on mesh {shape}: forward")
     return out
 
 
@@ -434,10 +378,10 @@ def case_rank0_load(steps: int) -> dict[str, float]:
     ours = loaded["ours"]
     for name, p in ours.named_parameters():
         assert isinstance(p, DTensor), f"rank-0 load: {name} is {type(p).__name__}"
-        _close(p.full_tensor(), sd[name], 0.0, f"rank-0 load: {name} vs the source")
+        close(p.full_tensor(), sd[name], 0.0, f"rank-0 load: {name} vs the source")
     for name, b in ours.named_buffers():
         assert type(b) is torch.Tensor, f"rank-0 load: buffer {name} is {type(b).__name__}"
-        _close(b, sd[name] if name in sd else source.pos, 0.0, f"rank-0 load: buffer {name}")
+        close(b, sd[name] if name in sd else source.pos, 0.0, f"rank-0 load: buffer {name}")
     worst, _ = _train("rank0_load", {"ref": source, "ours": ours, "torch": loaded["torch"]}, steps)
     return worst
 
@@ -566,12 +510,12 @@ def case_buffers(steps: int) -> dict[str, float]:
         assert list(sd) == list(ref_sd) == list(torch_sd), f"buffers {when}: state-dict keys differ"
         for name in ("logit_bias", "layers.1.gain"):
             assert type(sd[name]) is torch.Tensor, f"buffers {when}: state_dict()[{name!r}] is {type(sd[name]).__name__}"
-            _close(sd[name], ref_sd[name], 0.0, f"buffers {when}: state_dict()[{name!r}]")
-            _close(sd[name], torch_sd[name], 0.0, f"buffers {when}: state_dict()[{name!r}] vs torch FSDP2")
+            close(sd[name], ref_sd[name], 0.0, f"buffers {when}: state_dict()[{name!r}]")
+            close(sd[name], torch_sd[name], 0.0, f"buffers {when}: state_dict()[{name!r}] vs torch FSDP2")
         assert "pos" not in sd, f"buffers {when}: the non-persistent pos buffer is in state_dict()"
         for name, b in ours.named_buffers():
             assert type(b) is torch.Tensor, f"buffers {when}: {name} is {type(b).__name__}"
-            _close(b, ref_buffers[name], 0.0, f"buffers {when}: {name}")
+            close(b, ref_buffers[name], 0.0, f"buffers {when}: {name}")
 
     check("after fully_shard")
     worst, _ = _train("buffers", models, steps)

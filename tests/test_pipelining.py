@@ -50,7 +50,7 @@ def _pipeline(one_reduce: bool) -> dict[str, Any]:
     stage_module = full[pp]
     fully_shard(stage_module, mesh=mesh["dp"])
     stage_cls = _recipe_stage_class() if one_reduce else PipelineStage
-    stage = stage_cls(stage_module, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
+    stage = stage_cls(stage_module, pp, 2, device(), group=mesh.get_group("pp"))
     loss_fn = nn.MSELoss()
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
     opt = torch.optim.SGD(stage_module.parameters(), lr=0.1)

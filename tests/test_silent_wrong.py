@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from tests.harness import device, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.oracle import average_gradients, rows
 
 ARGS = ModelArgs(vocab_size=37, dim=24, n_layers=3, n_heads=4, ffn_dim=40, max_seq_len=8)
 RTOL, ATOL = 1e-5, 1e-6  # fp32, different summation order (see the module docstring)
@@ -143,21 +144,6 @@ def _shard(model: CutTransformer, reshard: list[bool | None] | None = None) -> C
     return model
 
 
-def _average_grads(ref: nn.Module) -> None:
-    grads = [p.grad for p in ref.parameters() if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.AVG)  # one collective: AVG is elementwise
-    for g, avg in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(avg.view_as(g))
-
-
-def _rows(t: Any) -> torch.Tensor:
-    """This rank's rows of a full tensor (Shard(0), ``torch.chunk`` semantics)."""
-    chunks = t.chunk(dist.get_world_size())
-    rank = dist.get_rank()
-    return chunks[rank] if rank < len(chunks) else t[:0]
-
-
 def _mismatches(ours: nn.Module, ref: nn.Module, what: str) -> list[str]:
     """Every parameter and gradient of ``ours`` (this rank's shard) against the oracle's
     rows: no communication, and every rank checks its own rows."""
@@ -170,7 +156,7 @@ def _mismatches(ours: nn.Module, ref: nn.Module, what: str) -> list[str]:
             if a is None:
                 continue
             try:
-                torch.testing.assert_close(a.to_local(), _rows(b), rtol=RTOL, atol=ATOL)
+                torch.testing.assert_close(a.to_local(), rows(b), rtol=RTOL, atol=ATOL)
             except AssertionError as exc:
                 out.append(f"{what}: {kind} of {name}: {str(exc).splitlines()[-2:]}")
     return out
@@ -190,7 +176,7 @@ def _run_pattern(name: str, steps: int = 2) -> list[str]:
                 torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
             except AssertionError as exc:
                 errors.append(f"step {step}: the pattern's result differs: {exc}")
-        _average_grads(ref)
+        average_gradients(ref)
         errors += _mismatches(ours, ref, f"step {step} after backward")
         opt.step()
         opt_ref.step()
@@ -260,7 +246,7 @@ def _draw(seed: int) -> list[str]:
                 torch.testing.assert_close(out, out_ref, rtol=RTOL, atol=ATOL)
         for m in fsdp_modules:
             m.reshard()  # kept unsharded by reshard_after_backward=False: back to the shards
-        _average_grads(ref)
+        average_gradients(ref)
         errors += _mismatches(ours, ref, f"step {step}")
         opt.step()
         opt_ref.step()
@@ -356,6 +342,32 @@ def _case_block_param_replaced() -> None:
     model(x)
 
 
+def _case_autograd_grad_wrt_parameters() -> None:
+    _, model = _build()
+    _shard(model)
+    x, _ = _data(0)
+    torch.autograd.grad(loss_fn(model(x), x), list(model.parameters()))
+
+
+def _autograd_grad_wrt_parameters_then_remedy() -> list[str]:
+    """The remedy docs/troubleshooting.md names after the failed call: reset_iter_state, then
+    loss.backward() and the sharded p.grad, equal to the unsharded model's."""
+    ref, ours = _build()
+    _shard(ours)
+    x, _ = _data(0)
+    try:
+        torch.autograd.grad(loss_fn(ours(x), x), list(ours.parameters()))
+    except RuntimeError:
+        pass
+    else:
+        return ["torch.autograd.grad w.r.t. the sharded parameters raised nothing"]
+    ours.reset_iter_state()
+    loss_fn(ours(x), x).backward()
+    loss_fn(ref(x), x).backward()
+    average_gradients(ref)
+    return _mismatches(ours, ref, "after the remedy")
+
+
 def _case_ignored_not_in_module() -> None:
     from fully_shard import fully_shard
 
@@ -388,7 +400,23 @@ def test_parameter_replaced_after_sharding_raises_naming_it() -> None:
 
 
 def test_ignored_params_not_in_module() -> None:
-    _expect_error(_case_ignored_not_in_module, ValueError, "ignored_params", "not parameters of the module(s)", "shape (40, 24)", world_size=1)
+    _expect_error(_case_ignored_not_in_module, ValueError, "ignored_params", "not parameters of the module(s)", "shape (40, 24)")
+
+
+def test_autograd_grad_wrt_sharded_parameters_raises() -> None:
+    # torch's own error (docs/troubleshooting.md): a block's registered parameters are the
+    # sharded DTensors after its forward, which computed with the gathered ones. Index 2 is
+    # layers.0.attention_norm.weight, the first of them; 0 and 1 (logit_scale,
+    # tok_embeddings.weight) are the root's, still the gathered ones after the root's forward.
+    _expect_error(
+        _case_autograd_grad_wrt_parameters, RuntimeError,
+        "The differentiated Tensor at index 2 appears to not have been used in the graph",
+    )
+
+
+def test_autograd_grad_wrt_sharded_parameters_remedy() -> None:
+    for rank, errors in enumerate(run_distributed(_autograd_grad_wrt_parameters_then_remedy, 2)):
+        assert not errors, f"rank {rank}:\n" + "\n".join(errors)
 
 
 @pytest.mark.parametrize(

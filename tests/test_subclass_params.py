@@ -4,8 +4,9 @@ FSDP2 extension contract (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``).
 ``HalfGather`` is our own subclass: it sends its shard in ``mp_policy.param_dtype`` (bf16
 here), counts its hook calls, and on later all-gathers relies on ``out=`` (the unsharded
 parameter aliases the gathered buffer, which must be refilled in place). Each test trains
-the same model with ``fully_shard`` and with torch's FSDP2 (the oracle) on 2 gloo ranks:
-bitwise, because both run the same casts and an AVG of two numbers in the same layout.
+the same model with ``fully_shard`` and with torch's FSDP2 (the oracle) on 2 gloo ranks (the
+own-subclass test on 4 too): bitwise, because both run the same casts and the same gloo
+reduce-scatter (AVG) over the same layout, so the same sums in the same order.
 torchao's float8 and int8 recipes are in the second half (skipped without torchao).
 """
 
@@ -23,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.harness import device, device_type, run_distributed
-from tests.oracle import ShardwiseOptimizer
+from tests.oracle import ShardwiseOptimizer, average_gradients
 
 aten = torch.ops.aten
 # ops whose results stay HalfGather (what sharding needs: torch's FSDP2 uses split/new_zeros)
@@ -132,10 +133,12 @@ def _full(p: DTensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_own_subclass_matches_torch_fsdp2(bf16: bool) -> None:
-    ours = run_distributed(_train, 2, False, bf16)
-    theirs = run_distributed(_train, 2, True, bf16)
+def test_own_subclass_matches_torch_fsdp2(bf16: bool, world_size: int) -> None:
+    ours = run_distributed(_train, world_size, False, bf16)
+    theirs = run_distributed(_train, world_size, True, bf16)
+    assert len(ours) == len(theirs) == world_size
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         # the sharded weights stay HalfGather (never silently plain)
         assert a["local_types"] == b["local_types"] == ["HalfGather", "Tensor", "HalfGather", "Tensor"], a["local_types"]
@@ -213,8 +216,7 @@ def _float8(sharded: bool) -> dict[str, Any]:
             loss = model(x).pow(2).mean()
             loss.backward()
             if not sharded:
-                for p in model.parameters():
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+                average_gradients(model)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())

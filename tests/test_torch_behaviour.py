@@ -12,10 +12,13 @@
 * A parameter replaced before the first forward is picked up and sharded.
 * ``reshard_after_forward=<int>`` as torch reads it: the shard group size means True, 1 False.
 
-Tolerances. Against torch's FSDP2, bitwise (2 ranks): the same program issues the same ops in
-the same order in both (the same casts, the same flat layout reduce-scattered with AVG, an
-average of two numbers independent of the order), so any difference is a behaviour
-difference. Against the unsharded model (gradients all-reduced with AVG): fp32 to 1e-6 (sums
+Each on 2 and 4 gloo ranks, every rank's result checked; the device switch
+(``FULLY_SHARD_TEST_DEVICE``) picks the mesh's device, inputs drawn on the CPU and moved there.
+
+Tolerances. Against torch's FSDP2, bitwise (2 and 4 ranks): the same program issues the same
+ops in the same order in both (the same casts, the same flat layout reduce-scattered with AVG
+by the same gloo collective, so the same sums in the same order), so any difference is a
+behaviour difference. Against the unsharded model (gradients all-reduced with AVG): fp32 to 1e-6 (sums
 of chunks and microbatches grouped differently; measured at most 3e-8 over the full sweep of
 all four programs); bf16 to 2e-2, the rounding of bf16 compute against the fp32 reference
 (measured at most 7.5e-3 over the same sweep, two steps).
@@ -33,12 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from tests.harness import run_distributed
+from tests.harness import device, run_distributed
+from tests.harness import mesh as suite_mesh
 from tests.models import Block, ModelArgs, RMSNorm
+from tests.oracle import average_gradients
 
 ARGS = ModelArgs(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_dim=24, max_seq_len=8)
 CHUNKS = 2
@@ -147,7 +151,7 @@ def _chunked_sweep(programs: list[str], combos: list[tuple[bool, Any, str, bool]
 
     from fully_shard import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = suite_mesh(dist.get_world_size())  # the suite's device switch (FULLY_SHARD_TEST_DEVICE)
     rank = dist.get_rank()
     problems: list[str] = []
     for program, (tie, reshard, mp, ac) in itertools.product(programs, combos):
@@ -164,15 +168,14 @@ def _chunked_sweep(programs: list[str], combos: list[tuple[bool, Any, str, bool]
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
         for step in range(steps):
             g = torch.Generator().manual_seed(100 * step + rank)
-            tokens = torch.randint(0, ARGS.vocab_size, (4, ARGS.max_seq_len), generator=g)
+            tokens = torch.randint(0, ARGS.vocab_size, (4, ARGS.max_seq_len), generator=g, device="cpu").to(device())
             for name, model in models.items():
                 try:
                     _step(program, model, groups[name], tokens)
                 except Exception as e:  # a mismatch to report, with the others
                     problems.append(f"{what}: {name} raised {type(e).__name__}: {e}")
                     return problems
-            for p in ref.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            average_gradients(ref)
             named = {k: dict(m.named_parameters()) for k, m in models.items()}
             tol = 1e-6 if mp == "none" else 2e-2
             for fqn, p in named["ours"].items():
@@ -211,18 +214,27 @@ _SPOT = [
 
 
 @pytest.mark.parametrize(
-    "program, combos",
-    [("torchtitan", _SWEEP), ("accumulate", _SPOT), ("one", _SPOT), ("two_forwards", _SPOT)],
-    ids=["torchtitan-full-sweep", "accumulate-spot", "one-spot", "two_forwards-spot"],
+    "world_size, program, combos",
+    [
+        (2, "torchtitan", _SWEEP),
+        (2, "accumulate", _SPOT),
+        (2, "one", _SPOT),
+        (2, "two_forwards", _SPOT),
+        (4, "one", _SPOT),
+        (4, "two_forwards", _SPOT),
+    ],
+    ids=["2-torchtitan-full-sweep", "2-accumulate-spot", "2-one-spot", "2-two_forwards-spot", "4-one-spot", "4-two_forwards-spot"],
 )
-def test_chunked_head_matches_torch_and_unsharded(program: str, combos: list[Any]) -> None:
-    """Ours, torch FSDP2 and the unsharded model on 2 ranks, 2 steps each combination. The
-    full sweep (36 combinations) for torchtitan's program, which drives the head's group by
-    hand and settles it in several backward passes per step; the others on six combinations
-    that cover every value of every dimension (the full sweep of all four programs passes
-    too, in about a minute: too long for every run of the suite)."""
-    problems = run_distributed(_chunked_sweep, 2, [program], combos, 2, timeout=300)
-    assert problems[0] == [], "\n".join(problems[0][:20])
+def test_chunked_head_matches_torch_and_unsharded(world_size: int, program: str, combos: list[Any]) -> None:
+    """Ours, torch FSDP2 and the unsharded model, 2 steps each combination, every rank's
+    result. The full sweep (36 combinations) for torchtitan's program on 2 ranks, which
+    drives the head's group by hand and settles it in several backward passes per step; the
+    others on six combinations that cover every value of every dimension (the full sweep of
+    all four programs passes too, in about a minute: too long for every run of the suite).
+    ``accumulate`` and ``torchtitan`` on 4 ranks: test_chunked_head_four_ranks."""
+    problems = run_distributed(_chunked_sweep, world_size, [program], combos, 2, timeout=300)
+    for rank, rank_problems in enumerate(problems):
+        assert rank_problems == [], f"rank {rank}:\n" + "\n".join(rank_problems[:20])
 
 
 def test_chunked_head_four_ranks() -> None:
@@ -255,13 +267,13 @@ def _grouped_cast_inputs() -> list[str]:
 
     from fully_shard import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = suite_mesh(dist.get_world_size())
     ours = TwoStage()
     theirs = copy.deepcopy(ours)
     for model, fs, mp in ((ours, fully_shard, MixedPrecisionPolicy), (theirs, torch_fully_shard, TorchMP)):
         fs([model.a, model.b], mesh=mesh, mp_policy=mp(param_dtype=torch.bfloat16, cast_forward_inputs=True))
         fs(model, mesh=mesh)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()), device="cpu").to(device())
     out, tout = ours(x), theirs(x)
     out.sum().backward()
     tout.sum().backward()
@@ -274,8 +286,9 @@ def _grouped_cast_inputs() -> list[str]:
     return problems
 
 
-def test_grouped_cast_forward_inputs_casts_every_member() -> None:
-    assert run_distributed(_grouped_cast_inputs, 2) == [[], []]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_grouped_cast_forward_inputs_casts_every_member(world_size: int) -> None:
+    assert run_distributed(_grouped_cast_inputs, world_size) == [[]] * world_size
 
 
 # -- a parameter replaced before the first forward ------------------------------------------
@@ -300,7 +313,7 @@ def _init_children(model: Mixer) -> None:
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in list(model.layer1.parameters()) + list(model.layer2.parameters()):
-            full = torch.randn(p.shape, generator=g)
+            full = torch.randn(p.shape, generator=g, device="cpu").to(p.device)
             if isinstance(p, DTensor):
                 p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
             else:
@@ -312,7 +325,7 @@ def _replaced_before_lazy_init(full: bool) -> list[str]:
 
     from fully_shard import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = suite_mesh(dist.get_world_size())
     ref = Mixer()
     _init_children(ref)
     ref.mix = nn.Parameter(ref.layer1.weight.detach() + ref.layer2.weight.detach())
@@ -325,36 +338,49 @@ def _replaced_before_lazy_init(full: bool) -> list[str]:
         fs(model.layer1, mesh=mesh)
         fs(model.layer2, mesh=mesh)
         fs(model, mesh=mesh)
-        model.layer1.to_empty(device="cpu")
-        model.layer2.to_empty(device="cpu")
+        model.layer1.to_empty(device=device())
+        model.layer2.to_empty(device=device())
         _init_children(model)
         w1, w2 = model.layer1.weight.detach(), model.layer2.weight.detach()
         # the root's own parameter, still on meta, replaced by one built from the children
         model.mix = nn.Parameter(w1.full_tensor() + w2.full_tensor() if full else w1 + w2)
         models[name] = model
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()), device="cpu").to(device())
     problems = []
     for name, model in models.items():
         model(x).sum().backward()
         if name == "ref":
-            for p in model.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            average_gradients(model)
             continue
         if not (isinstance(model.mix, DTensor) and model.mix in set(model.parameters())):
             problems.append(f"{name}: mix is not the sharded parameter")
         for fqn, p in model.named_parameters():
-            # one step of a 2-rank average: the same values by construction, within rounding
+            # one step of an N-rank average: the same values by construction, within rounding
             # of the reference's matmul blocking (fp32)
             torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[fqn].grad, rtol=1e-5, atol=1e-6)
     return problems
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("full", [False, True], ids=["dtensor", "full_tensor"])
-def test_parameter_replaced_before_first_forward(full: bool) -> None:
-    assert run_distributed(_replaced_before_lazy_init, 2, full) == [[], []]
+def test_parameter_replaced_before_first_forward(full: bool, world_size: int) -> None:
+    assert run_distributed(_replaced_before_lazy_init, world_size, full) == [[]] * world_size
 
 
 # -- reshard_after_forward=<int>, as torch reads it -----------------------------------------
+
+
+def _post_forward_numel(module: nn.Module, ours: bool) -> int:
+    """Elements of ``module``'s parameters this rank keeps between forward and backward
+    (the post-forward shards of reshard_after_forward=k), read from each library's state."""
+    if ours:
+        from fully_shard.state import state_of
+
+        params = state_of(module).group.params  # type: ignore[union-attr]
+        return sum(p.post_forward_slice.numel() for p in params if p.post_forward_slice is not None)
+    group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    kept = [getattr(fp, "_sharded_post_forward_param_data", None) for fp in group.fsdp_params]  # set at a post-forward reshard
+    return sum(t.numel() for t in kept if t is not None)
 
 
 def _int_reshard(k: int) -> list[Any]:
@@ -362,7 +388,7 @@ def _int_reshard(k: int) -> list[Any]:
 
     from fully_shard import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = suite_mesh(dist.get_world_size())
     seen = []
     for fs in (fully_shard, torch_fully_shard):
         torch.manual_seed(0)
@@ -371,18 +397,38 @@ def _int_reshard(k: int) -> list[Any]:
             warnings.simplefilter("always")
             fs(model[0], mesh=mesh, reshard_after_forward=k)
         fs(model, mesh=mesh)
-        out = model(torch.ones(2, 4))
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()), device="cpu").to(device())
+        out = model(x)
         sharded_after_forward = isinstance(model[0].weight, DTensor)
+        kept = _post_forward_numel(model[0], fs is fully_shard)
         out.sum().backward()
-        seen.append((sharded_after_forward, any("reshard_after_forward=1" in str(w.message) for w in caught)))
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        warned = any("reshard_after_forward=1" in str(w.message) for w in caught)
+        seen.append({"sharded": sharded_after_forward, "warns": warned, "kept": kept, "out": out.detach(), "grads": grads})
     return seen
 
 
-@pytest.mark.parametrize("k, sharded, warns", [(2, True, False), (1, False, True)])
-def test_int_reshard_after_forward_like_torch(k: int, sharded: bool, warns: bool) -> None:
-    ours, theirs = run_distributed(_int_reshard, 2, k)[0]
-    assert ours == (sharded, warns)
-    assert theirs[0] == sharded  # torch: k == world size is True, 1 is False
+@pytest.mark.parametrize(
+    "world_size, k, sharded, warns, kept",
+    [
+        (2, 2, True, False, 0),
+        (2, 1, False, True, 0),
+        (4, 2, True, False, 10),  # a real partial reshard: 2 of Linear(4, 4)'s 4 rows (8 + 2 elements) kept
+        (4, 4, True, False, 0),
+        (4, 1, False, True, 0),
+    ],
+)
+def test_int_reshard_after_forward_like_torch(world_size: int, k: int, sharded: bool, warns: bool, kept: int) -> None:
+    """As torch reads it: k == the shard group size is True, 1 is False (with a warning), a
+    divisor in between keeps each rank's 1/k of the parameters after forward."""
+    for rank, (ours, theirs) in enumerate(run_distributed(_int_reshard, world_size, k)):
+        assert (ours["sharded"], ours["warns"], ours["kept"]) == (sharded, warns, kept), f"rank {rank}: {ours}"
+        assert (theirs["sharded"], theirs["kept"]) == (sharded, kept), f"rank {rank}: torch {theirs}"
+        # the same ops in the same order as torch FSDP2 (the same flat all-gathers and
+        # reduce-scatters, whichever group the backward all-gather ran in): bitwise
+        assert torch.equal(ours["out"], theirs["out"]), f"rank {rank}"
+        for i, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
+            assert torch.equal(a, b), f"rank {rank}: grad {i} differs from torch FSDP2 by {(a - b).abs().max()}"
 
 
 # -- non-contiguous parameters: torch refuses them, ours shards them ----------------------
@@ -391,23 +437,24 @@ def test_int_reshard_after_forward_like_torch(k: int, sharded: bool, warns: bool
 def _non_contiguous() -> float:
     from fully_shard import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = suite_mesh(dist.get_world_size())
     torch.manual_seed(0)
     ref = nn.Linear(6, 4, bias=False)
     ref.weight = nn.Parameter(torch.randn(6, 4).t())  # (4, 6), strides (1, 4)
     model = copy.deepcopy(ref)
     assert not model.weight.is_contiguous()
     fully_shard(model, mesh=mesh)
-    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(dist.get_rank()), device="cpu").to(device())
     model(x).sum().backward()
     ref(x).sum().backward()
     dist.all_reduce(ref.weight.grad, op=dist.ReduceOp.AVG)
     assert torch.equal(model.weight.full_tensor(), ref.weight)  # a copy of the values
-    # an average of two numbers, one matmul per rank: within fp32 rounding of the reference
+    # an average of N numbers, one matmul per rank: within fp32 rounding of the reference
     torch.testing.assert_close(model.weight.grad.full_tensor(), ref.weight.grad, rtol=1e-6, atol=1e-6)
     return float(model.weight.grad.full_tensor().norm())
 
 
-def test_non_contiguous_parameter_is_sharded() -> None:
-    norms = run_distributed(_non_contiguous, 2)
-    assert norms[0] == norms[1] > 0
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_non_contiguous_parameter_is_sharded(world_size: int) -> None:
+    norms = run_distributed(_non_contiguous, world_size)
+    assert norms == [norms[0]] * world_size and norms[0] > 0

@@ -10,10 +10,12 @@ for the duration of the call. CPU workarounds, as torchtitan's trainer assumes a
 triton kernels module is stubbed (the expert-parallel path, unused here), its device type is
 set to ``cpu``, and each block's inner attention is torchtitan's ``ScaledDotProductAttention``
 (FlexAttention needs compiled kernels). ``spmd_backend="partial_dtensor"``: the default
-passes ``dp_mesh_dims`` with parameters that are still plain tensors, which fully_shard's
-``dp_mesh_dims`` refuses today (torch's FSDP2 takes them).
+passes ``dp_mesh_dims`` with parameters that are still plain tensors (data parallel only:
+nothing made them DTensors), which torch's FSDP2 refuses (``ValueError: When dp_mesh_dims is
+provided, all parameters must be DTensors on the full SPMD mesh``) as fully_shard does.
 
-torchtitan 0.3.0 is part of the ``test`` extra (with its declared dependencies, as a user
+CPU only by design (skipped under ``FULLY_SHARD_TEST_DEVICE``, saying why). torchtitan 0.3.0
+is part of the ``test`` extra (with its declared dependencies, as a user
 installs it); without it the test is skipped, naming the install command.
 
 Oracles: the unsharded model (see the test for tolerances), and torch's FSDP2 in the same
@@ -32,7 +34,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import run_distributed, skip_on_accelerator
 
 for _name in ("torchtitan", "spmd_types", "tyro", "einops"):
     pytest.importorskip(_name, reason="torchtitan 0.3.0 client test: pip install -e '.[test]' (or torchtitan==0.3.0)")
@@ -161,6 +163,10 @@ def _train(impl: str, steps: int) -> dict[str, Any]:
     return out
 
 
+@skip_on_accelerator(
+    "runs torchtitan with its CPU workarounds (device type 'cpu', SDPA for FlexAttention, triton "
+    "stubbed); on a GPU, torchtitan's own trainer runs it"
+)
 def test_torchtitan_llama3_chunked_loss_matches_torch_fsdp2() -> None:
     ours = run_distributed(_train, 2, "ours", 3)
     theirs = run_distributed(_train, 2, "torch", 3)

@@ -9,8 +9,9 @@ Example::
 
 from .clip import clip_grad_norm_
 from .debug import CollectiveMismatchError, debug_collectives
-from .llama import PRESETS, Llama, LlamaArgs
-from .plan import GroupPlan, Plan, plan, shard_layout
+from ..param import ShardLayout, shard_layout
+from .models import PRESETS, hf_model, load_model
+from .plan import GroupPlan, Plan, plan
 from .plan_plot import memory_figure, save_memory_plot
 from .trace import CommTrace, trace_comm
 from .wrap import apply_fully_shard
@@ -21,11 +22,12 @@ __all__ = [
     "Plan",
     "GroupPlan",
     "shard_layout",
+    "ShardLayout",
     "memory_figure",
     "save_memory_plot",
-    "Llama",
-    "LlamaArgs",
     "PRESETS",
+    "hf_model",
+    "load_model",
     "apply_fully_shard",
     "trace_comm",
     "CommTrace",

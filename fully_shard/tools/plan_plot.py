@@ -9,7 +9,7 @@ if TYPE_CHECKING:
 
 __all__ = ["memory_figure", "save_memory_plot"]
 
-_KINDS = ("sharded state", "unsharded parameters", "unsharded gradients", "optimizer temporaries")
+_KINDS = ("sharded state", "unsharded parameters", "unsharded gradients", "optimizer temporaries", "activations")
 
 
 def memory_figure(plan: Plan) -> Any:
@@ -29,10 +29,11 @@ def memory_figure(plan: Plan) -> Any:
         raise ValueError("this plan has no memory_trace (a plan loaded from JSON written before it existed?)")
     gib = 2.0**30
     x = list(range(len(trace)))
-    series = [[row[i + 1] / gib for row in trace] for i in range(len(_KINDS))]
+    kinds = _KINDS[: len(trace[0]) - 1]  # rows of plans saved before activations have one less
+    series = [[row[i + 1] / gib for row in trace] for i in range(len(kinds))]
     fig = Figure(figsize=(10, 4.5), dpi=110)
     ax = fig.subplots()
-    ax.stackplot(x, *series, labels=list(_KINDS), alpha=0.85)
+    ax.stackplot(x, *series, labels=list(kinds), alpha=0.85)
     totals = [sum(row[1:]) for row in trace]
     top = max(range(len(totals)), key=totals.__getitem__)
     ax.annotate(f"peak {totals[top] / gib:.2f} GiB\n{trace[top][0]}", xy=(top, totals[top] / gib),
@@ -43,7 +44,8 @@ def memory_figure(plan: Plan) -> Any:
         if trace[i][0].split(":")[0] != trace[i - 1][0].split(":")[0]:
             ax.axvline(i, color="grey", linewidth=0.4, alpha=0.5)
     ax.set_xlabel("allocations and frees over one step (forward, backward, optimizer step)")
-    ax.set_ylabel("device memory (GiB), activations not included")
+    counted = f"activations of batch {plan.batch_size} x {plan.seq_len}" if plan.batch_size else "activations not included"
+    ax.set_ylabel(f"device memory (GiB), {counted}")
     ax.set_title(f"fully_shard memory plan: {plan.model}, mesh {plan.mesh_shape}, rank {plan.rank}", fontsize=9)
     ax.set_ylim(0, totals[top] / gib * 1.25)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)  # beside the axis

@@ -41,10 +41,9 @@ class CommTrace:
         """One dict per collective: group, phase, kind, group_size, bytes, start_ms, end_ms."""
         rows = []
         for e in self.events:
-            group = e.what.split(" of ", 1)[-1].split("'s ", 1)[0]
             rows.append(
                 {
-                    "group": group,
+                    "group": e.label,
                     "phase": "backward" if e.backward else "forward",
                     "kind": e.kind,
                     "group_size": e.group_size,
