@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -739,7 +739,9 @@ class FSDPModule:
 
 def _check_comm(comm: Any, method: str) -> None:
     if not (callable(comm) and callable(getattr(comm, "allocate", None))):
-        raise ValueError(f"{method} expects a Comm: an object with allocate(size, *, dtype, device) and __call__, got {type(comm).__name__}")
+        raise ValueError(
+            f"{method} expects a Comm: an object with allocate(size, *, dtype, device) and __call__, got {type(comm).__name__}"
+        )
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:

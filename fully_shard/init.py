@@ -6,7 +6,7 @@ of the model unsharded.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist

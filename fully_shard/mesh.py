@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -162,7 +163,7 @@ def mesh_info_for(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | 
     )
 
 
-def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
+def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     """``dp_mesh_dims``: the data-parallel sub-mesh of a full SPMD mesh, remembering where its
     dims sit in the full mesh (the sharded DTensors live on the full mesh)."""
     if not isinstance(dims, DataParallelMeshDims):
@@ -172,7 +173,9 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
         dims = DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)
     names = mesh.mesh_dim_names
     if names is None:
-        raise ValueError("dp_mesh_dims names mesh dims, but this mesh has no mesh_dim_names: build it with init_device_mesh(..., mesh_dim_names=...)")
+        raise ValueError(
+            "dp_mesh_dims names mesh dims, but this mesh has no mesh_dim_names: build it with init_device_mesh(..., mesh_dim_names=...)"
+        )
     for name in dims.shard_names + dims.replicate_names:
         if name not in names:
             raise ValueError(f"dp_mesh_dims names the mesh dim {name!r}, which is not one of this mesh's dims {names}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -256,7 +257,7 @@ class ShardedParam:
     @property
     def local_shard(self) -> torch.Tensor:
         """This rank's part (read afresh: ``to_empty``/``load_state_dict`` may swap it)."""
-        return self.sharded_param._local_tensor
+        return cast(DTensor, self.sharded_param)._local_tensor
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full (TP-local) tensor shaped like the parameter."""
@@ -287,9 +288,8 @@ class ShardedParam:
                 f"{param.placements} and shape {tuple(param.shape)}; fully_shard laid it out as "
                 f"{self._spec.placements} with shape {tuple(self.sharded_param.shape)}"
             )
-        if not isinstance(param, nn.Parameter):
-            param = nn.Parameter(param, requires_grad=self.sharded_param.requires_grad)
-        self.sharded_param = param
+        new = param if isinstance(param, nn.Parameter) else nn.Parameter(param, requires_grad=self.sharded_param.requires_grad)
+        self.sharded_param = new
         self.register(unsharded=False)
         self.refresh_after_apply()
 
@@ -484,7 +484,7 @@ class ShardedParam:
         if grad is None:
             self.sharded_param.grad = self.to_sharded_dtensor(local)
         else:
-            grad._local_tensor.add_(local)
+            cast(DTensor, grad)._local_tensor.add_(local)
 
 
 def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:

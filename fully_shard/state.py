@@ -14,12 +14,13 @@ backward). Each state runs its group through the four phases:
 
 from __future__ import annotations
 
-from enum import Enum, auto
 import dataclasses
 import functools
 import sys
+from collections.abc import Callable
+from enum import Enum, auto
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -244,7 +245,8 @@ class FSDPState:
 
     @_not_traced
     def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return self.pre_forward(args, kwargs)
+        result: tuple[Any, Any] = self.pre_forward(args, kwargs)
+        return result
 
     @_not_traced
     def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -527,10 +529,13 @@ class FSDPState:
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return args, kwargs
-        hooked = _PostBackward.apply(self, ctx, *(leaves[i] for i in positions))
+        hooked: tuple[torch.Tensor, ...] = _PostBackward.apply(  # type: ignore[no-untyped-call]
+            self, ctx, *(leaves[i] for i in positions)
+        )
         for i, t in zip(positions, hooked):
             leaves[i] = t
-        return tree_unflatten(leaves, spec)
+        result: tuple[Any, Any] = tree_unflatten(leaves, spec)
+        return result
 
     def _hook_outputs(self, ctx: RootContext, output: Any) -> Any:
         def hook(t: torch.Tensor) -> torch.Tensor:
@@ -579,7 +584,9 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
 
     for module, params in by_module.values():
 
-        def load_pre_hook(m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params) -> None:
+        def load_pre_hook(
+            m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params
+        ) -> None:
             if group.state is not GroupState.SHARDED:
                 group.reshard()
             for name, sp in params.items():

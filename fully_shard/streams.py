@@ -18,8 +18,8 @@ same. Tests pass a recording double to ``Streams`` (``Backend``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Protocol
-
+from collections.abc import Iterator
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -45,7 +45,7 @@ class _TorchBackend:
         return torch.Stream(device=device)
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return stream  # torch.Stream is a context manager that makes it current
+        return cast(contextlib.AbstractContextManager[Any], stream)  # torch.Stream is a context manager that makes it current
 
     def wait_stream(self, waiter: Any, waited: Any) -> None:
         waiter.wait_stream(waited)

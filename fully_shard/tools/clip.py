@@ -36,7 +36,7 @@ def clip_grad_norm_(
     for params in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
     for params in groups.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
