@@ -1,9 +1,10 @@
 """``python3 -m benchmarks [--quick] [--out benchmarks/results]``
 
 Benchmarks fully_shard against torch's FSDP2, DDP and one unsharded process on CPU/gloo at
-world size 2, the Muon optimizer step (benchmarks/muon.py) at world 2 and 4, then simulates 8..1024 ranks in one process (fake process group + meta
-device). Writes ``<out>/<yyyy-mm-dd>-<machine>.md`` and ``.json`` (and PNG plots when
-matplotlib is installed). See docs/benchmarks.md.
+world size 2, the Muon optimizer step (benchmarks/muon.py) at world 2 and 4, then simulates
+8..1024 ranks in one process (fake process group + meta device). Writes
+``<out>/<yyyy-mm-dd>-<machine>.md`` and ``.json`` (and PNG plots when matplotlib is
+installed). See docs/benchmarks.md.
 """
 
 from __future__ import annotations

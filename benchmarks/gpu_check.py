@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .models import LlamaArgs, Llama, loss_fn, param_count, tokens
+from .models import Llama, LlamaArgs, loss_fn, param_count, tokens
 from .step import _api
 
 # Llama 3.2 1B shapes (https://github.com/meta-llama/llama-models), output not tied: 1.50e9

@@ -283,7 +283,7 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
         inputs = [p.to_local() for p in params]
         outs = [torch.empty(t.shape, dtype=torch.bfloat16) for t in inputs]
         with CollectiveRecorder() as rec:
-            for stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
+            for _stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
                 result.zero_()  # the fake group moves no data; the transform is not the point here
         _, buckets = _bucket(layouts, newton_schulz_flops)
         predicted = predicted_sent_bytes(shapes, world)  # every rank, from the layout
@@ -380,7 +380,8 @@ def render(muon: dict[str, Any]) -> list[str]:
                   "local tensors; its bytes are ring-algorithm bytes (all-gather (W-1) x input, reduce-scatter "
                   "(W-1)/W x input, all-reduce 2 (W-1)/W x input).", "",
                   "| W | matrices | optimizer | collectives per step | bytes sent by rank 0 | rank 0 predicted by the layout "
-                  "| all ranks, summed from the layout | analytic 2(W-1)/W x matrix bytes | NS GFLOPs: busiest rank, total / W, largest matrix |",
+                  "| all ranks, summed from the layout | analytic 2(W-1)/W x matrix bytes "
+                  "| NS GFLOPs: busiest rank, total / W, largest matrix |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for p in sim["points"]:
             f = p["ns_flops"]

@@ -290,7 +290,8 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
                      ", ".join(f"{k}: {cell(want, 'backward', k)}" for k in extra_want) or "none", ""])
         for impl in ("fully_shard", "torch_fsdp2"):
             got = res["collectives"][impl]
-            others = sorted({(ph, k) for ph, ks in got.items() for k in ks} - {(p, k) for p in got for k in ("all_gather", "reduce_scatter")})
+            main_kinds = {(p, k) for p in got for k in ("all_gather", "reduce_scatter")}
+            others = sorted({(ph, k) for ph, ks in got.items() for k in ks} - main_kinds)
             rows.append([cfg["name"], IMPL_NAMES[impl], cell(got, "forward", "all_gather"), cell(got, "backward", "all_gather"),
                          cell(got, "backward", "reduce_scatter"),
                          ", ".join(f"{k} ({ph}): {cell(got, ph, k)}" for ph, k in others) or "none",

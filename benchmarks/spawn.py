@@ -27,7 +27,8 @@ import pickle
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, job: Any, out_path: str) -> None:

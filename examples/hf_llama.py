@@ -41,7 +41,8 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join("outputs", "hf_llama")

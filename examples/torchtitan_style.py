@@ -208,7 +208,6 @@ def train(
     sources (examples/train.py's data); returns the loss of each step (this rank's, before
     the optimizer step). Needs an initialised default process group."""
     import torch.distributed as dist
-
     from common import load_corpus
 
     rank = dist.get_rank()

@@ -30,8 +30,9 @@ import functools
 import inspect
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

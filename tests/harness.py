@@ -56,8 +56,9 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 __all__ = [
     "DEVICE_ENV",

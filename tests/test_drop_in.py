@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -379,7 +379,8 @@ class SpmdMLP(nn.Module):
 
 
 def _spmd(use_torch: bool, torch_dims: bool = False) -> list[Any]:
-    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims, fully_shard as torch_fully_shard
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     from fully_shard import DataParallelMeshDims, fully_shard
@@ -398,7 +399,8 @@ def _spmd(use_torch: bool, torch_dims: bool = False) -> list[Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(2):
-        x = distribute_tensor(torch.randn(4, 8, generator=torch.Generator().manual_seed(step), device="cpu").to(device()), mesh, (Shard(0), Replicate()))
+        x_full = torch.randn(4, 8, generator=torch.Generator().manual_seed(step), device="cpu").to(device())
+        x = distribute_tensor(x_full, mesh, (Shard(0), Replicate()))
         loss = model(x).pow(2).sum().full_tensor()
         loss.backward()
         opt.step()

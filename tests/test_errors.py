@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fully_shard
-
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
@@ -344,7 +344,9 @@ def test_offload_policy_wrong_type() -> None:
 
 
 def test_shard_placement_fn_must_return_shard() -> None:
-    _expect_error(_case_shard_placement_fn, ValueError, "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None", "weight")
+    _expect_error(
+        _case_shard_placement_fn, ValueError, "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None", "weight"
+    )
 
 
 def test_int_reshard_after_forward_not_a_divisor() -> None:
@@ -487,7 +489,9 @@ def test_forward_prefetch_with_non_fsdp_module() -> None:
 
 
 def test_backward_prefetch_with_non_fsdp_module() -> None:
-    _expect_error(_case_backward_prefetch_non_fsdp, ValueError, "set_modules_to_backward_prefetch", "'layers.0.attention' (Attention", world_size=2)
+    _expect_error(
+        _case_backward_prefetch_non_fsdp, ValueError, "set_modules_to_backward_prefetch", "'layers.0.attention' (Attention", world_size=2
+    )
 
 
 def test_reset_iter_state_on_non_root() -> None:

@@ -30,10 +30,10 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     )
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as timed_out:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"examples/train.py {' '.join(args)} timed out after {timeout} s\n{out}\n{err}")
+        raise AssertionError(f"examples/train.py {' '.join(args)} timed out after {timeout} s\n{out}\n{err}") from timed_out
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

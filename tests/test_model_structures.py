@@ -34,7 +34,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -296,7 +297,7 @@ def case_meta_init(steps: int) -> dict[str, float]:
         close(p.to_local(), torch_params[name].to_local(), 0.0, f"meta init: {name} after init vs torch FSDP2")
     ref = Transformer()
     with torch.no_grad():
-        for (name, p_ref), p in zip(ref.named_parameters(), ours.parameters()):
+        for (_name, p_ref), p in zip(ref.named_parameters(), ours.parameters()):
             p_ref.copy_(p.full_tensor())
     close(ours.pos, ref.pos, 0.0, "meta init: the pos buffer recomputed by reset_parameters")
     close(theirs.pos, ref.pos, 0.0, "meta init: torch FSDP2's pos buffer")

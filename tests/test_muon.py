@@ -153,7 +153,7 @@ def _rows_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _set_grads(model: nn.Module, ref: nn.Module, step: int) -> None:
     gen = torch.Generator().manual_seed(step)
-    for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
+    for (_name, p), rp in zip(model.named_parameters(), ref.parameters()):
         rp.grad = torch.randn(rp.shape, generator=gen, device="cpu").to(device())
         p.grad = _rows_like(rp.grad, p)
 
@@ -274,7 +274,7 @@ def test_muon_batched_newton_schulz_close_to_torch_and_moves_analytic_bytes() ->
     torch.manual_seed(0)
     names_shapes = [(n, tuple(p.shape)) for n, p in _matrices(Net())]
     for rank, res in enumerate(results):
-        for name, shape in names_shapes:
+        for name, _shape in names_shapes:
             # momentum is elementwise, untouched by bmm vs addmm: bitwise (module docstring)
             assert res["torch_diffs"][name + ".momentum_buffer"] == 0.0, (rank, name, res["torch_diffs"])
             # bmm vs addmm, another kernel for the same bf16 products: at most one bf16 rounding

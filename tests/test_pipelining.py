@@ -96,7 +96,10 @@ def _two_forwards_then_two_backwards() -> None:
     ref = copy.deepcopy(model)
     fully_shard(model)
     rank, world = dist.get_rank(), dist.get_world_size()
-    xs = [[torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * r + i), device="cpu").to(device()) for i in range(2)] for r in range(world)]
+    xs = [
+        [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * r + i), device="cpu").to(device()) for i in range(2)]
+        for r in range(world)
+    ]
     # the pipelining order F0 F1 B0 B1, on inputs that need no gradient: the group's
     # post-backward runs from the end-of-backward callback, once per backward
     outs = [model(x) for x in xs[rank]]

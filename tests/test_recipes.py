@@ -119,10 +119,10 @@ def _train(args: list[str], timeout: float = 150, env: dict[str, str] | None = N
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as timed_out:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"examples/train.py {' '.join(args)} timed out after {timeout} s\n{out}\n{err}")
+        raise AssertionError(f"examples/train.py {' '.join(args)} timed out after {timeout} s\n{out}\n{err}") from timed_out
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert result.returncode == 0, f"{' '.join(args)}\nstdout:\n{out}\nstderr:\n{err}"
     return result

@@ -19,7 +19,8 @@ from __future__ import annotations
 import copy
 import os
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -422,7 +423,8 @@ def test_autograd_grad_wrt_sharded_parameters_remedy() -> None:
 @pytest.mark.parametrize(
     "kwargs, exc_type, fragment",
     [
-        ({"param_dtype": "bfloat16"}, TypeError, "param_dtype must be a torch.dtype or None, got str 'bfloat16'; pass e.g. torch.bfloat16 (torch.bfloat16)"),
+        ({"param_dtype": "bfloat16"}, TypeError,
+         "param_dtype must be a torch.dtype or None, got str 'bfloat16'; pass e.g. torch.bfloat16 (torch.bfloat16)"),
         ({"reduce_dtype": torch.int32}, ValueError, "reduce_dtype must be a floating-point dtype, got torch.int32"),
         ({"output_dtype": 16}, TypeError, "output_dtype must be a torch.dtype or None, got int 16"),
         ({"cast_forward_inputs": "no"}, TypeError, "cast_forward_inputs must be a bool, got str 'no'"),

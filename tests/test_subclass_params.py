@@ -43,7 +43,9 @@ class HalfGather(torch.Tensor):
 
     @staticmethod
     def __new__(cls, t: torch.Tensor) -> HalfGather:
-        return torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype, device=t.device, strides=t.stride(), requires_grad=t.requires_grad)  # type: ignore[return-value]
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[return-value]
+            cls, t.shape, dtype=t.dtype, device=t.device, strides=t.stride(), requires_grad=t.requires_grad
+        )
 
     def __init__(self, t: torch.Tensor) -> None:
         self._t = t
@@ -74,7 +76,9 @@ class HalfGather(torch.Tensor):
         HalfGather.gathered_dtypes.append(dtype)
         return (self._t.to(dtype),), ("meta", dtype)
 
-    def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> Any:
+    def fsdp_post_all_gather(
+        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: torch.Tensor | None = None
+    ) -> Any:
         assert metadata[0] == "meta" and param_dtype == metadata[1], (metadata, param_dtype)
         (data,) = outputs
         HalfGather.calls["post"] += 1
@@ -93,7 +97,8 @@ def _model() -> nn.Module:
 
 
 def _train(use_torch: bool, bf16: bool) -> dict[str, Any]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP, fully_shard as torch_fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from fully_shard import MixedPrecisionPolicy, fully_shard
 
@@ -273,7 +278,9 @@ def _int8(use_torch: bool) -> dict[str, Any]:
         opt.zero_grad()
         losses.append(loss.item())
     local = [p.to_local() for p in model.parameters()]
-    return {"losses": losses, "int": [t.int_data.clone() for t in local], "scale": [t.scale.clone() for t in local], "local_types": local_types}
+    return {
+        "losses": losses, "int": [t.int_data.clone() for t in local], "scale": [t.scale.clone() for t in local], "local_types": local_types
+    }
 
 
 def test_torchao_int8_quantized_training_matches_torch_fsdp2() -> None:

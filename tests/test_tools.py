@@ -197,7 +197,8 @@ def _modify_unsharded() -> str:
 
 def test_inplace_change_to_unsharded_parameter_is_caught() -> None:
     message = run_distributed(_modify_unsharded, 1)[0]
-    assert "attention.wq.weight' was modified in place while it was unsharded" in message, message  # FQN relative to the block: no root forward ran yet
+    # FQN relative to the block: no root forward ran yet
+    assert "attention.wq.weight' was modified in place while it was unsharded" in message, message
 
 
 def _no_sync() -> str:

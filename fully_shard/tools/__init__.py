@@ -7,9 +7,9 @@ Example::
     >>> print(plan("llama3-8b", 64))
 """
 
+from ..param import ShardLayout, shard_layout
 from .clip import clip_grad_norm_
 from .debug import CollectiveMismatchError, debug_collectives
-from ..param import ShardLayout, shard_layout
 from .models import PRESETS, hf_model, load_model
 from .plan import GroupPlan, Plan, plan
 from .plan_plot import memory_figure, save_memory_plot

@@ -15,7 +15,8 @@ import argparse
 import re
 import sys
 import textwrap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,7 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "num_attention_heads": 128, "num_key_value_heads": 8},
 }
 
-def hf_model(config: Union[str, dict[str, Any]]) -> nn.Module:
+def hf_model(config: str | dict[str, Any]) -> nn.Module:
     """The ``transformers`` causal LM of a ``config.json`` (a path) or of its fields (a dict
     with ``model_type``), built on the current default device in fp32 (the sharded master
     weights; the config's own ``dtype`` is ignored): build it under ``torch.device("meta")``.
@@ -69,7 +70,7 @@ def hf_model(config: Union[str, dict[str, Any]]) -> nn.Module:
     return model.to(torch.float32)
 
 
-def load_model(spec: Union[nn.Module, Callable[[], nn.Module], str]) -> tuple[nn.Module, str]:
+def load_model(spec: nn.Module | Callable[[], nn.Module] | str) -> tuple[nn.Module, str]:
     """The meta-device model for ``spec`` and a label: a model already on meta, a constructor
     (called under ``torch.device("meta")``), a preset name (``"llama3-8b"``), a Hugging Face
     ``config.json`` path or ``"package.module:Constructor"``.
@@ -91,7 +92,7 @@ def load_model(spec: Union[nn.Module, Callable[[], nn.Module], str]) -> tuple[nn
     if isinstance(spec, str):
         label = spec
         if spec in PRESETS or spec.endswith(".json"):
-            fields: Union[str, dict[str, Any]] = PRESETS.get(spec, spec)
+            fields: str | dict[str, Any] = PRESETS.get(spec, spec)
 
             def ctor() -> nn.Module:
                 return hf_model(fields)

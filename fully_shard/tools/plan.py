@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
@@ -37,7 +38,7 @@ from .replay import Call, Replay, Timeline, pre_order
 
 __all__ = ["plan", "Plan", "GroupPlan", "OPTIMIZERS"]
 
-WrapSpec = Union[type, Iterable[type], Callable[[nn.Module], bool], None]
+WrapSpec = Union[type, Iterable[type], Callable[[nn.Module], bool], None]  # noqa: UP007  # a runtime alias
 
 # optimizer name -> states per parameter (each shaped and typed like the parameter)
 OPTIMIZERS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "none": 0}
@@ -64,7 +65,7 @@ class GroupPlan:
     reduce_scatter_input_bytes: int
     reduce_scatter_output_bytes: int
     all_reduce_bytes: int  # HSDP, across replicas
-    reshard_after_forward: Union[bool, int]
+    reshard_after_forward: bool | int
     all_gathers: int  # per step
 
 
@@ -96,7 +97,7 @@ class Plan:
     storage_dtypes: list[str]  # dtypes of the sharded parameters
     optimizer: str
     offload: bool
-    reshard_after_forward: Union[bool, int, None]
+    reshard_after_forward: bool | int | None
     device_type: str
     num_params: int
     groups: list[GroupPlan]
@@ -196,7 +197,7 @@ def _wrapped_modules(model: nn.Module, wrap: WrapSpec) -> set[int]:
 
 
 def _build_nodes(model: nn.Module, wrapped: set[int], shard: int, rank: int, mp: MixedPrecisionPolicy,
-                 reshard_after_forward: Union[bool, int, None]) -> Call:
+                 reshard_after_forward: bool | int | None) -> Call:
     """The tree of fully_shard calls, each with the parameters it owns: calls made bottom-up,
     as fully_shard requires, each walking its module as fully_shard does (``walk_params``)."""
     names = {id(m): n for n, m in model.named_modules()}
@@ -280,7 +281,7 @@ def _add_activations(model: nn.Module, root: Call, nodes: list[Call], batch_size
 # -- plan() -----------------------------------------------------------------------------------------
 
 
-def _mesh(mesh_shape: Union[int, Sequence[int]]) -> tuple[int, ...]:
+def _mesh(mesh_shape: int | Sequence[int]) -> tuple[int, ...]:
     shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
     if not 1 <= len(shape) <= 2 or not all(isinstance(s, int) and s >= 1 for s in shape):
         raise ValueError(
@@ -290,13 +291,13 @@ def _mesh(mesh_shape: Union[int, Sequence[int]]) -> tuple[int, ...]:
 
 
 def plan(
-    model_or_constructor: Union[nn.Module, Callable[[], nn.Module], str],
-    mesh_shape: Union[int, Sequence[int]],
+    model_or_constructor: nn.Module | Callable[[], nn.Module] | str,
+    mesh_shape: int | Sequence[int],
     *,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     optimizer: str = "adamw",
-    reshard_after_forward: Union[bool, int, None] = None,
+    reshard_after_forward: bool | int | None = None,
     wrap: WrapSpec = None,
     rank: int = 0,
     device_type: str = accelerator_type(),

@@ -32,7 +32,7 @@ moves through fully_shard's ``GroupState`` by ``group.next_state``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from ..group import GroupState, next_state
 
@@ -47,7 +47,7 @@ class Call:
     name: str
     params: list[Any]  # the group's parameters (none: the call has no group)
     children: list[Call]
-    reshard: Union[bool, int]  # resolved reshard_after_forward
+    reshard: bool | int  # resolved reshard_after_forward
     ag_in: int = 0  # all-gather input: the padded slots, all-gather dtype
     unsharded: int = 0  # padded unsharded parameters = all-gather output
     ugrad: list[int] = field(default_factory=list)  # per trainable param: unsharded grad bytes
