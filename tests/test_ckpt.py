@@ -10,6 +10,7 @@ import tempfile
 import pytest
 import torch
 
+from tests.harness import mesh as harness_mesh
 from tests.harness import run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
@@ -20,13 +21,12 @@ ARGS = ModelArgs(n_layers=2, dim=48, ffn_dim=72, vocab_size=37, max_seq_len=8)
 def _case_manager(root: str, async_save: bool) -> dict[str, object]:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
 
     from fully_shard import fully_shard
     from fully_shard.ckpt import CheckpointManager, list_checkpoints
 
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = harness_mesh(dist.get_world_size())
 
     def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)

@@ -18,6 +18,7 @@ from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
 
 from fully_shard import FSDPModule, fully_shard
+from tests.harness import skip_on_accelerator
 from tests.oracle import average_gradients
 
 WORLD = 4
@@ -32,6 +33,7 @@ def _mlp() -> nn.Sequential:
     return model
 
 
+@skip_on_accelerator("torch's threaded process group is CPU-only (its ranks are threads of one process)")
 class ThreadedFullyShardTest(MultiThreadedTestCase):
     @property
     def world_size(self) -> int:
