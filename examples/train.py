@@ -25,26 +25,10 @@ import time
 
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, EXAMPLES)
-from common import (  # noqa: E402  # the helpers the examples share (examples/ is on sys.path just above)
-    Metrics,
-    Progress,
-    StatefulBatchSampler,
-    WindowDataset,
-    eval_loss,
-    flops_per_token,
-    fmt_bytes,
-    launch_script,
-    leave_worker,
-    load_text,
-    lr_lambda,
-    non_negative_float,
-    parse_with_config,
-    peak_flops,
-    positive_int,
-    save_loss_curve,
-    start_profiler,
-    tokenize,
-    training_state_bytes,
+from common import (  # the helpers the examples share (examples/ is on sys.path just above)
+    Metrics, Progress, StatefulBatchSampler, WindowDataset, eval_loss, flops_per_token, fmt_bytes,
+    launch_script, leave_worker, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops, positive_int,
+    save_loss_curve, start_profiler, tokenize, training_state_bytes,
 )
 
 MODEL_FLAGS = ("dim", "n_layers", "n_heads", "seq_len", "tokenizer", "vocab_size")  # shapes a checkpoint fixes
