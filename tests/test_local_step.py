@@ -11,6 +11,7 @@ arithmetic in both runs.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -300,3 +301,13 @@ def test_allow_list_is_exact_types() -> None:
         local_step(MyAdamW([nn.Parameter(torch.ones(2))]))
     opt = local_step(MyAdamW([nn.Parameter(torch.ones(2))]), elementwise=True)
     assert opt.step._fully_shard_local_step is True  # type: ignore[attr-defined]
+
+
+def test_a_deep_copy_steps_its_own_parameters() -> None:
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = local_step(torch.optim.SGD([p], lr=1.0))
+    copy_ = copy.deepcopy(opt)
+    copy_.step()
+    assert torch.equal(p.detach(), torch.ones(2))  # the original's parameter untouched
+    assert torch.equal(copy_.param_groups[0]["params"][0].detach(), torch.zeros(2))

@@ -98,15 +98,19 @@ def local_step(optimizer: OptimizerT, *, elementwise: bool = False) -> Optimizer
     if getattr(optimizer.step, _MARK, False):
         return optimizer
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS and not elementwise:
+        known = ", ".join(t.__name__ for t in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(
             f"local_step does not know {type(optimizer).__qualname__} to be elementwise: it runs the step on each "
             "rank's local shards, which is only right when each element's update reads the same element of the "
-            "parameter, its gradient and its states. Known elementwise: "
-            + ", ".join(t.__name__ for t in ELEMENTWISE_OPTIMIZERS)
-            + ". If it is elementwise, pass local_step(optimizer, elementwise=True); if it needs whole parameters "
-            "(full_tensor(), norms, matrix products: Muon, Adafactor, LBFGS), step it on the DTensors: do not wrap it"
+            f"parameter, its gradient and its states. Known elementwise: {known}. If it is elementwise, pass "
+            "local_step(optimizer, elementwise=True); if it needs whole parameters (full_tensor(), norms, matrix "
+            "products: Muon, Adafactor, LBFGS), step it on the DTensors: do not wrap it"
         )
-    inner: Callable[..., Any] = optimizer.step
+    current: Any = optimizer.step
+    # the step to run inside, unbound where it is this optimizer's method (so a copy of the
+    # optimizer steps itself); an LR scheduler's wrapper is a plain function
+    inner: Callable[..., Any] = current.__func__ if getattr(current, "__self__", None) is optimizer else current
+    bound = inner is not current
 
     def step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -117,13 +121,13 @@ def local_step(optimizer: OptimizerT, *, elementwise: bool = False) -> Optimizer
         groups: _Groups = []
         try:
             _swap_in(opt, undo, groups)
-            inner()
+            inner(opt) if bound else inner()
         finally:
             _swap_out(opt, undo, groups)
         return loss
 
     step._fully_shard_local_step = True  # type: ignore[attr-defined]
-    if hasattr(inner, "_wrapped_by_lr_sched"):  # a scheduler wrapped step already: keep its mark
+    if hasattr(current, "_wrapped_by_lr_sched"):  # a scheduler wrapped step already: keep its mark
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     # a bound method, as LR schedulers expect (they rebind ``optimizer.step.__func__``)
     optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
@@ -141,13 +145,18 @@ class _Swapped:
         self.state = state  # param's state dict before the step (updated in place after it)
 
 
+def _same_layout(a: DTensorSpec, b: DTensorSpec) -> bool:
+    # identity first: DeviceMesh.__eq__ is a Python call, and this runs per tensor per step
+    return (a.mesh is b.mesh or a.mesh == b.mesh) and a.placements == b.placements
+
+
 def _where(group: int, index: int, p: DTensor) -> str:
     return f"param_groups[{group}]['params'][{index}] (shape {tuple(p.shape)}, placements {p.placements})"
 
 
 def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) -> None:
     state = opt.state
-    swapped: dict[torch.Tensor, _Swapped] = {}
+    swapped: dict[int, _Swapped] = {}  # by id(param): Tensor.__hash__ is a Python call
     for gi, group in enumerate(opt.param_groups):
         params = group["params"]
         local_params = None
@@ -157,9 +166,7 @@ def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) 
             spec = p._spec
             local = p._local_tensor
             g = p.grad
-            if g is not None and not (
-                isinstance(g, DTensor) and g._spec.placements == spec.placements and g._spec.mesh == spec.mesh
-            ):
+            if g is not None and not (isinstance(g, DTensor) and _same_layout(g._spec, spec)):
                 layout = g.placements if isinstance(g, DTensor) else "a plain tensor"
                 raise RuntimeError(
                     f"local_step: the gradient of {_where(gi, i, p)} is {layout}, laid out unlike its parameter; "
@@ -168,7 +175,7 @@ def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) 
             s = state.get(p)
             if s is not None:
                 for k, v in s.items():
-                    if isinstance(v, DTensor) and (v._spec.placements != spec.placements or v._spec.mesh != spec.mesh):
+                    if isinstance(v, DTensor) and not _same_layout(v._spec, spec):
                         raise RuntimeError(
                             f"local_step: optimizer state {k!r} of {_where(gi, i, p)} is laid out as {v.placements}, "
                             "unlike its parameter; load optimizer state with "
@@ -177,7 +184,7 @@ def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) 
                         )
             entry = _Swapped(p, local, s)
             undo.append(entry)  # from here on, _swap_out puts this parameter back
-            swapped[p] = entry
+            swapped[id(p)] = entry
             local.grad = None if g is None else g._local_tensor
             if local_params is None:
                 local_params = list(params)
@@ -190,7 +197,7 @@ def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) 
     items = list(state.items())
     state.clear()
     for key, value in items:
-        swap = swapped.get(key)
+        swap = swapped.get(id(key))
         if swap is None:
             state[key] = value
         else:
@@ -202,12 +209,12 @@ def _swap_out(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups)
         group["params"] = params
     if not undo:
         return
-    by_local = {e.local: e for e in undo}
+    by_local = {id(e.local): e for e in undo}
     state = opt.state
     items = list(state.items())
     state.clear()
     for key, value in items:
-        back = by_local.get(key)
+        back = by_local.get(id(key))
         if back is None:
             state[key] = value
         else:
