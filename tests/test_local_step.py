@@ -303,11 +303,15 @@ def test_allow_list_is_exact_types() -> None:
     assert opt.step._fully_shard_local_step is True  # type: ignore[attr-defined]
 
 
-def test_a_deep_copy_steps_its_own_parameters() -> None:
+def test_a_deep_copy_is_not_wrapped() -> None:
+    # Optimizer.__getstate__ keeps defaults, state and param_groups only: the copy steps
+    # unwrapped, on its own parameters, until wrapped again
     p = nn.Parameter(torch.ones(2))
-    p.grad = torch.ones(2)
     opt = local_step(torch.optim.SGD([p], lr=1.0))
     copy_ = copy.deepcopy(opt)
-    copy_.step()
-    assert torch.equal(p.detach(), torch.ones(2))  # the original's parameter untouched
-    assert torch.equal(copy_.param_groups[0]["params"][0].detach(), torch.zeros(2))
+    assert "step" in vars(opt) and "step" not in vars(copy_)
+    q = copy_.param_groups[0]["params"][0]
+    assert q is not p
+    q.grad = torch.ones(2)
+    local_step(copy_).step()
+    assert torch.equal(q.detach(), torch.zeros(2)) and torch.equal(p.detach(), torch.ones(2))

@@ -82,7 +82,9 @@ def local_step(optimizer: OptimizerT, *, elementwise: bool = False) -> Optimizer
     registered with ``register_step_pre_hook`` / ``register_step_post_hook`` run inside the
     local step and see the local tensors. Call ``local_step`` before creating an LR
     scheduler (either order works; this one avoids the scheduler's "optimizer.step()
-    has been overridden" warning). Calling it twice changes nothing.
+    has been overridden" warning). Calling it twice changes nothing. A deep copy or a pickle
+    of the optimizer is not wrapped (``Optimizer.__getstate__`` keeps only ``defaults``,
+    ``state`` and ``param_groups``): wrap the copy again.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over fully_shard's (or torch FSDP2's)
@@ -107,8 +109,8 @@ def local_step(optimizer: OptimizerT, *, elementwise: bool = False) -> Optimizer
             "products: Muon, Adafactor, LBFGS), step it on the DTensors: do not wrap it"
         )
     current: Any = optimizer.step
-    # the step to run inside, unbound where it is this optimizer's method (so a copy of the
-    # optimizer steps itself); an LR scheduler's wrapper is a plain function
+    # the step to run inside: the class's step, called with the optimizer the wrapper is bound
+    # to, or an LR scheduler's wrapper (a plain function that holds the optimizer itself)
     inner: Callable[..., Any] = current.__func__ if getattr(current, "__self__", None) is optimizer else current
     bound = inner is not current
 
