@@ -147,9 +147,18 @@ class _Swapped:
         self.state = state  # param's state dict before the step (updated in place after it)
 
 
-def _same_layout(a: DTensorSpec, b: DTensorSpec) -> bool:
-    # identity first: DeviceMesh.__eq__ is a Python call, and this runs per tensor per step
-    return (a.mesh is b.mesh or a.mesh == b.mesh) and a.placements == b.placements
+def _same_layout(a: DTensorSpec, b: DTensorSpec, meshes: dict[tuple[int, int], bool]) -> bool:
+    # this runs per tensor per step, and DeviceMesh.__eq__ is a Python call: identity first,
+    # then what this step found for the same two mesh objects (``meshes``, alive during the step)
+    if a.placements != b.placements:
+        return False
+    if a.mesh is b.mesh:
+        return True
+    key = (id(a.mesh), id(b.mesh))
+    same = meshes.get(key)
+    if same is None:
+        same = meshes[key] = a.mesh == b.mesh
+    return same
 
 
 def _where(group: int, index: int, p: DTensor) -> str:
@@ -159,6 +168,7 @@ def _where(group: int, index: int, p: DTensor) -> str:
 def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) -> None:
     state = opt.state
     swapped: dict[int, _Swapped] = {}  # by id(param): Tensor.__hash__ is a Python call
+    meshes: dict[tuple[int, int], bool] = {}
     for gi, group in enumerate(opt.param_groups):
         params = group["params"]
         local_params = None
@@ -168,7 +178,7 @@ def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) 
             spec = p._spec
             local = p._local_tensor
             g = p.grad
-            if g is not None and not (isinstance(g, DTensor) and _same_layout(g._spec, spec)):
+            if g is not None and not (isinstance(g, DTensor) and _same_layout(g._spec, spec, meshes)):
                 layout = g.placements if isinstance(g, DTensor) else "a plain tensor"
                 raise RuntimeError(
                     f"local_step: the gradient of {_where(gi, i, p)} is {layout}, laid out unlike its parameter; "
@@ -177,7 +187,7 @@ def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) 
             s = state.get(p)
             if s is not None:
                 for k, v in s.items():
-                    if isinstance(v, DTensor) and not _same_layout(v._spec, spec):
+                    if isinstance(v, DTensor) and not _same_layout(v._spec, spec, meshes):
                         raise RuntimeError(
                             f"local_step: optimizer state {k!r} of {_where(gi, i, p)} is laid out as {v.placements}, "
                             "unlike its parameter; load optimizer state with "
@@ -229,22 +239,18 @@ def _state_back(entry: _Swapped, local_state: dict[str, Any]) -> dict[str, Any]:
     """``local_state`` (keyed like the param's state, values local) as the param's state:
     the same dict as before the step, each tensor that was a DTensor's local tensor that
     DTensor again, each new tensor shaped like the local shard a DTensor like the param."""
-    old = entry.state
-    out: dict[str, Any] = {} if old is None else old
-    before = dict(out)
-    for k in [k for k in out if k not in local_state]:
-        del out[k]
+    out: dict[str, Any] = {} if entry.state is None else entry.state
     local = entry.local
     for k, v in local_state.items():
-        prev = before.get(k)
-        if isinstance(prev, DTensor) and prev._local_tensor is v:
-            out[k] = prev
-        elif prev is v or not isinstance(v, torch.Tensor) or isinstance(v, DTensor):
-            out[k] = v
-        elif v.dim() > 0 and v.shape == local.shape:
-            out[k] = _like_param(v, entry.param)
-        else:
-            out[k] = v
+        prev = out.get(k)
+        if prev is v or (isinstance(prev, DTensor) and prev._local_tensor is v):
+            continue  # unchanged, or updated in place: the DTensor holds it
+        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0 and v.shape == local.shape:
+            v = _like_param(v, entry.param)
+        out[k] = v  # a new key goes last, where the optimizer put it
+    if len(out) != len(local_state):  # the optimizer deleted a state
+        for k in [k for k in out if k not in local_state]:
+            del out[k]
     return out
 
 
