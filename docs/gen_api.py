@@ -197,7 +197,12 @@ def render() -> str:
         "",
     ]
     for name in optim.__all__:
-        parts += _entry(name, getattr(optim, name), torch_names=False, level="###")
+        obj = getattr(optim, name)
+        if isinstance(obj, tuple):  # a constant tuple of classes (ELEMENTWISE_OPTIMIZERS): its entries
+            entries = ", ".join(f"`{getattr(o, '__module__', '').split('.')[0]}.optim.{o.__name__}`" for o in obj)
+            parts += [f"### {name}", "", f"`tuple` with {len(obj)} entries: {entries}.", ""]
+            continue
+        parts += _entry(name, obj, torch_names=False, level="###")
     for module, _ in SUBPACKAGES:
         mod = importlib.import_module(module)
         parts += [f"## {module}", "", "*fully_shard addition: not in torch's FSDP2.*", "",

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> None:
 
     from fully_shard import MixedPrecisionPolicy, fully_shard
     from fully_shard.ckpt import CheckpointManager
+    from fully_shard.optim import local_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
@@ -154,8 +155,8 @@ def run(args: argparse.Namespace) -> None:
 
         optimizer = MuonAdamW(muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
                               adamw_lr=args.lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    else:  # local_step: AdamW steps on the local shards as plain tensors (bitwise the same, state stays DTensor)
+        optimizer = local_step(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
     log(f"fully_shard on {world} ranks ({dist.get_backend()}, {device.type}) | {n_params:,} parameters, "
         f"optimizer {type(optimizer).__name__}, "

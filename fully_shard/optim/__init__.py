@@ -3,9 +3,11 @@
 ``Muon`` orthogonalizes each weight matrix once, on one owner rank, and matches
 ``torch.optim.Muon`` on the unsharded model; ``MuonAdamW`` and ``muon_param_groups`` make
 the usual Muon + AdamW recipe one optimizer; ``owned_matrices`` is the owner machinery for
-other matrix optimizers. See docs/optimizers.md.
+other matrix optimizers; ``local_step`` runs an elementwise optimizer (AdamW, SGD, ...) on the
+DTensors' local tensors, at plain-tensor speed. See docs/optimizers.md.
 """
 
+from .local import ELEMENTWISE_OPTIMIZERS, local_step
 from .muon import Muon, newton_schulz
 from .muon_adamw import MuonAdamW, muon_param_groups
 from .owned import MatrixLayout, assign_owners, matrix_layout, newton_schulz_flops, owned_matrices
@@ -20,4 +22,6 @@ __all__ = [
     "MatrixLayout",
     "assign_owners",
     "newton_schulz_flops",
+    "local_step",
+    "ELEMENTWISE_OPTIMIZERS",
 ]
