@@ -1,7 +1,8 @@
 """``python3 -m benchmarks [--quick] [--out benchmarks/results]``
 
 Benchmarks fully_shard against torch's FSDP2, DDP and one unsharded process on CPU/gloo at
-world size 2, the Muon optimizer step (benchmarks/muon.py) at world 2 and 4, then simulates
+world size 2, the Muon optimizer step (benchmarks/muon.py) at world 2 and 4, the framework
+overhead at world size 1 (benchmarks/overhead.py: plain model / fully_shard / torch FSDP2), then simulates
 8..1024 ranks in one process (fake process group + meta device). Writes
 ``<out>/<yyyy-mm-dd>-<machine>.md`` and ``.json`` (and PNG plots when matplotlib is
 installed). See docs/benchmarks.md.
@@ -103,7 +104,8 @@ def _environment(args: argparse.Namespace, machine: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "commit": commit,
-        "command": "python3 -m benchmarks" + (" --quick" if args.quick else ""),
+        "command": "python3 -m benchmarks" + (" --quick" if args.quick else "") + "".join(
+            f" --skip-{name}" for name in ("steps", "muon", "overhead", "sim") if getattr(args, f"skip_{name}")),
     }
 
 
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-sim", action="store_true", help="skip the scale simulation")
     parser.add_argument("--skip-steps", action="store_true", help="skip the 2-rank jobs")
     parser.add_argument("--skip-muon", action="store_true", help="skip the Muon optimizer table")
+    parser.add_argument("--skip-overhead", action="store_true",
+                        help="skip the world-size-1 overhead table (plain / fully_shard / torch FSDP2)")
     args = parser.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -164,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
 
         results["muon"] = muon.run(args.quick, _log)
 
+    if not args.skip_overhead:
+        from . import overhead
+
+        results["overhead"] = overhead.run(args.quick, _log)
+
     if not args.skip_sim:
         from .simulate import run_simulation
 
@@ -189,14 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     results["wall_s"] = time.perf_counter() - t_start
     stem = f"{env['date']}-{machine}"
-    if args.skip_steps and args.skip_sim and not args.skip_muon:
-        stem += "-muon"  # the Muon table alone: its own page (docs/gen_figures.py's "muon" region)
+    if args.skip_steps and args.skip_sim:
+        # the Muon and/or overhead tables alone: their own page ("-muon", "-overhead" or
+        # "-muon-overhead"; docs/gen_figures.py's "muon" and "overhead" regions read the first two)
+        stem += "".join(f"-{name}" for name, skipped in (("muon", args.skip_muon), ("overhead", args.skip_overhead))
+                        if not skipped)
     paths = report.write(results, args.out, stem)
     for kind, path in paths.items():
         print(f"{kind}: {path}")
     _log(f"[benchmarks] total {results['wall_s']:.0f} s")
     failed = [c["name"] for c in results["configs"] if c.get("error")]
     failed += [f"muon-{m['world']}" for m in results.get("muon", {}).get("steps", []) if m.get("error")]
+    failed += ["overhead"] if results.get("overhead", {}).get("error") else []
     return 1 if failed else 0
 
 

@@ -160,10 +160,16 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
         ["machine shared", env["shared_note"]],
     ]))
     out.append("")
-    if not results["configs"] and "simulation" not in results and results.get("muon"):
+    if not results["configs"] and "simulation" not in results and (results.get("muon") or results.get("overhead")):
+        # --skip-steps --skip-sim: the Muon and/or overhead tables only
         from .muon import render as render_muon
+        from .overhead import render as render_overhead
 
-        return "\n".join(out + render_muon(results["muon"])) + "\n"  # --skip-steps --skip-sim: Muon only
+        if results.get("muon"):
+            out += render_muon(results["muon"])
+        if results.get("overhead"):
+            out += render_overhead(results["overhead"])
+        return "\n".join(out) + "\n"
     out.append("Every 2-rank job is one spawn of 2 processes (gloo on CPU, 1 intra-op thread each). "
                "Step = forward + backward + AdamW step + zero_grad. Step times are the maximum over the "
                "2 ranks of each sample (a sample = the mean of several steps); fully_shard and torch FSDP2 "
@@ -386,6 +392,11 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
         from .muon import render as render_muon
 
         out.extend(render_muon(results["muon"]))
+
+    if results.get("overhead"):
+        from .overhead import render as render_overhead
+
+        out.extend(render_overhead(results["overhead"]))
 
     # plots
     out.append("## Plots")

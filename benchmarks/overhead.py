@@ -1,0 +1,223 @@
+"""Framework overhead at world size 1 (issue 20): the plain model vs fully_shard vs torch FSDP2.
+
+One process, gloo world size 1 (so no communication at all: every collective is over one rank),
+one intra-op thread. The issue's configuration: 24 blocks of dim 64 (ffn 128, vocabulary 256),
+batch 2x16, ``fully_shard`` on every block and on the root (defaults), ``torch.optim.AdamW`` with
+its defaults. Four implementations, built from the same seed-0 model (deep copies) and fed the
+same token batches:
+
+* ``plain``: the unsharded model, no FSDP at all;
+* ``fully_shard``: ours, AdamW over its ``nn.Parameter(DTensor)`` parameters;
+* ``fully_shard_local_step``: ours, ``fully_shard.optim.local_step(AdamW(...))``;
+* ``torch_fsdp2``: ``torch.distributed.fsdp.fully_shard``, AdamW over its DTensor parameters.
+
+Each round runs one step of every implementation (round-robin, the first one rotating each
+round), so a busy machine slows all of them alike; the warm-up rounds are dropped. Per step:
+forward (model + loss), backward, ``optimizer.step()`` + ``zero_grad()`` and the whole step, each
+timed with ``time.perf_counter``; the medians over the timed rounds are reported.
+
+Library overhead = an implementation's median step minus the plain model's (the same for each
+phase). The hook path per group = (forward + backward overhead) / number of FSDP groups.
+
+Exact by construction (and checked by tests/test_benchmarks_smoke.py): every implementation ran
+the same number of steps, and their losses agree step by step (world size 1: the same
+arithmetic on the same numbers, up to the order of floating-point reductions); ours with and
+without ``local_step`` are bitwise equal (docs/optimizers.md). Speed is measured here, never
+asserted in a test.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .models import LlamaArgs
+
+IMPLS = ("plain", "fully_shard", "fully_shard_local_step", "torch_fsdp2")
+IMPL_LABELS = {
+    "plain": "plain model",
+    "fully_shard": "fully_shard",
+    "fully_shard_local_step": "fully_shard + local_step",
+    "torch_fsdp2": "torch FSDP2",
+}
+PHASES = ("forward", "backward", "optimizer", "step")
+PHASE_LABELS = {
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer.step + zero_grad",
+    "step": "whole step",
+}
+
+# Issue 20's configuration, and the --quick one.
+OVERHEAD_MODEL = LlamaArgs(dim=64, n_layers=24, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=16)
+OVERHEAD_MODEL_QUICK = LlamaArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=48, vocab_size=67, max_seq_len=16)
+GOAL_RATIO = 0.3  # library overhead, ours / torch's
+GOAL_HOOK_RATIO = 0.5  # hook path per group, ours / torch's
+# Loss agreement between implementations (relative, every step): at world size 1 all four do the
+# same arithmetic, only the order of some reductions may differ (flat gradient buffers).
+LOSS_RTOL = 1e-5
+
+
+def job_config(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {"args": OVERHEAD_MODEL_QUICK.as_dict(), "batch": 2, "seq": 16, "warmup": 1, "steps": 2}
+    return {"args": OVERHEAD_MODEL.as_dict(), "batch": 2, "seq": 16, "warmup": 3, "steps": 30}
+
+
+def overhead_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Body of the one-process job (``benchmarks.spawn.run_job(..., nprocs=1)``)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fully_shard.optim import local_step
+
+    from .models import Llama, loss_fn, tokens
+    from .step import shard_model
+
+    assert world == 1, "the overhead table is measured at world size 1"
+    largs = LlamaArgs(**job["args"])
+    torch.manual_seed(0)
+    base = Llama(largs)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+
+    models: dict[str, torch.nn.Module] = {}
+    opts: dict[str, torch.optim.Optimizer] = {}
+    for impl in IMPLS:
+        model = copy.deepcopy(base)
+        if impl != "plain":
+            shard_model(model, "torch_fsdp2" if impl == "torch_fsdp2" else "fully_shard", mesh, reshard=True, mp="fp32")
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters())  # AdamW's defaults
+        if impl == "fully_shard_local_step":
+            opt = local_step(opt)
+        models[impl], opts[impl] = model, opt
+    groups = largs.n_layers + 1  # one per block and the root
+
+    times: dict[str, dict[str, list[float]]] = {impl: {ph: [] for ph in PHASES} for impl in IMPLS}
+    losses: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    rounds = job["warmup"] + job["steps"]
+    for i in range(rounds):
+        x = tokens(i, 0, largs, job["batch"], job["seq"])
+        order = IMPLS[i % len(IMPLS):] + IMPLS[:i % len(IMPLS)]  # the first one rotates
+        for impl in order:
+            net, opt = models[impl], opts[impl]
+            t0 = time.perf_counter()
+            loss = loss_fn(net(x), x)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            t3 = time.perf_counter()
+            losses[impl].append(loss.item())
+            if i >= job["warmup"]:
+                for ph, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                    times[impl][ph].append(dt)
+
+    median = {impl: {ph: statistics.median(v) for ph, v in times[impl].items()} for impl in IMPLS}
+    max_rel_diff = {
+        impl: max(abs(a - b) / abs(b) for a, b in zip(losses[impl], losses["plain"])) for impl in IMPLS if impl != "plain"
+    }
+    return {
+        "config": dict(largs.as_dict(), batch=job["batch"], seq=job["seq"], groups=groups,
+                       params=sum(1 for _ in base.parameters())),
+        "warmup": job["warmup"],
+        "steps": job["steps"],
+        "steps_run": {impl: len(losses[impl]) for impl in IMPLS},
+        "steps_timed": {impl: len(times[impl]["step"]) for impl in IMPLS},
+        "median_s": median,
+        "samples_s": times,
+        "losses": losses,
+        "loss_max_rel_diff_to_plain": max_rel_diff,
+        "loss_rtol": LOSS_RTOL,
+        "losses_agree": all(d <= LOSS_RTOL for d in max_rel_diff.values()),
+        "local_step_bitwise_equal": losses["fully_shard_local_step"] == losses["fully_shard"],
+        **derived(median, groups),
+    }
+
+
+def derived(median: dict[str, dict[str, float]], groups: int) -> dict[str, Any]:
+    """Overhead (minus the plain model) per implementation and phase, and ours / torch's."""
+    fsdp = [impl for impl in IMPLS if impl != "plain"]
+    over = {impl: {ph: median[impl][ph] - median["plain"][ph] for ph in PHASES} for impl in fsdp}
+    for impl in fsdp:
+        over[impl]["hook_per_group"] = (over[impl]["forward"] + over[impl]["backward"]) / groups
+    torch_over = over["torch_fsdp2"]
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b > 0 else None
+
+    return {
+        "overhead_s": over,
+        "ratio_to_torch": {impl: {k: ratio(v, torch_over[k]) for k, v in over[impl].items()}
+                           for impl in ("fully_shard", "fully_shard_local_step")},
+    }
+
+
+def run(quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    """The overhead table: one spawned process (gloo, world size 1, one thread)."""
+    from .spawn import run_job
+
+    job = job_config(quick)
+    log("[benchmarks] overhead at world size 1 (plain / fully_shard / torch FSDP2)")
+    res, err, wall = run_job(overhead_job, job, nprocs=1, timeout_s=480)
+    log(f"[benchmarks]   done in {wall:.0f} s" + (f" (error: {err.splitlines()[-1]})" if err else ""))
+    return {"job": job, "result": res, "error": err, "wall_s": wall}
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def render(section: dict[str, Any]) -> list[str]:
+    """Markdown lines of the overhead section."""
+    lines = ["## Framework overhead at world size 1", ""]
+    res = section.get("result")
+    if res is None:
+        return lines + [f"The run failed:\n\n```\n{section.get('error')}\n```", ""]
+    c = res["config"]
+    lines += [
+        f"One process, gloo world size 1 (no communication), 1 thread; {c['n_layers']} blocks of dim {c['dim']} "
+        f"(ffn {c['ffn_dim']}, vocab {c['vocab_size']}), batch {c['batch']}x{c['seq']}, fully_shard per block and "
+        f"root ({c['groups']} groups), `torch.optim.AdamW` with its defaults. The four implementations start from "
+        f"the same weights, see the same batches and run in turns (one step each per round, the first one "
+        f"rotating); medians of {res['steps']} rounds after {res['warmup']} warm-up rounds. "
+        "Overhead = the median minus the plain model's median, per phase.",
+        "",
+    ]
+    med, over, rat = res["median_s"], res["overhead_s"], res["ratio_to_torch"]
+    header = ["per step, median"] + [IMPL_LABELS[i] for i in IMPLS]
+    rows = [[PHASE_LABELS[ph]] + [_ms(med[i][ph]) for i in IMPLS] for ph in PHASES]
+    lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines.append("")
+    header = ["overhead (minus plain)", "fully_shard", "fully_shard + local_step", "torch FSDP2",
+              "ours / torch", "ours + local_step / torch"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for key, label in list(PHASE_LABELS.items()) + [("hook_per_group", "hook path per group (fwd+bwd / groups)")]:
+        row = [label] + [_ms(over[i][key]) for i in ("fully_shard", "fully_shard_local_step", "torch_fsdp2")]
+        row += [_ratio(rat["fully_shard"][key]), _ratio(rat["fully_shard_local_step"][key])]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    best = rat["fully_shard_local_step"]["step"]
+    hook = rat["fully_shard_local_step"]["hook_per_group"]
+    lines += [
+        f"Goal (issue 20): library overhead <= {GOAL_RATIO}x torch FSDP2's: with `local_step` "
+        f"{_ratio(best)}, **{'met' if best is not None and best <= GOAL_RATIO else 'not met'}**; without "
+        f"{_ratio(rat['fully_shard']['step'])}. Hook path per group < {GOAL_HOOK_RATIO}x torch's: {_ratio(hook)}, "
+        f"**{'met' if hook is not None and hook < GOAL_HOOK_RATIO else 'not met'}**.",
+        "",
+        f"Numerics: losses of every step within {res['loss_rtol']:g} (relative) of the plain model's: "
+        f"{'yes' if res['losses_agree'] else 'NO'} (largest difference "
+        + ", ".join(f"{IMPL_LABELS[k]} {v:.2g}" for k, v in res["loss_max_rel_diff_to_plain"].items())
+        + "); fully_shard with and without `local_step` bitwise equal: "
+        f"{'yes' if res['local_step_bitwise_equal'] else 'NO'}.",
+        "",
+    ]
+    return lines
