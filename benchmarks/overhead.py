@@ -64,7 +64,7 @@ LOSS_RTOL = 1e-5
 def job_config(quick: bool) -> dict[str, Any]:
     if quick:
         return {"args": OVERHEAD_MODEL_QUICK.as_dict(), "batch": 2, "seq": 16, "warmup": 1, "steps": 2}
-    return {"args": OVERHEAD_MODEL.as_dict(), "batch": 2, "seq": 16, "warmup": 3, "steps": 30}
+    return {"args": OVERHEAD_MODEL.as_dict(), "batch": 2, "seq": 16, "warmup": 5, "steps": 100}
 
 
 def overhead_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
