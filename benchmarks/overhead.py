@@ -134,8 +134,19 @@ def overhead_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         "loss_rtol": LOSS_RTOL,
         "losses_agree": all(d <= LOSS_RTOL for d in max_rel_diff.values()),
         "local_step_bitwise_equal": losses["fully_shard_local_step"] == losses["fully_shard"],
+        "paired_overhead_s": paired(times),
         **derived(median, groups),
     }
+
+
+def paired(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    """Per implementation: the median over rounds of (its step - the plain model's step in the same
+    round), and that over torch FSDP2's (a check on the difference of medians, less exposed to load
+    that changes between rounds)."""
+    plain = times["plain"]["step"]
+    med = {impl: statistics.median(a - b for a, b in zip(times[impl]["step"], plain)) for impl in IMPLS if impl != "plain"}
+    torch_med = med["torch_fsdp2"]
+    return {"step": med, "ratio_to_torch": {k: (v / torch_med if torch_med > 0 else None) for k, v in med.items()}}
 
 
 def derived(median: dict[str, dict[str, float]], groups: int) -> dict[str, Any]:
@@ -171,6 +182,10 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms"
 
 
+def _us(s: float) -> str:
+    return f"{s * 1e6:.0f} us"
+
+
 def _ratio(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}x"
 
@@ -201,7 +216,8 @@ def render(section: dict[str, Any]) -> list[str]:
               "ours / torch", "ours + local_step / torch"]
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for key, label in list(PHASE_LABELS.items()) + [("hook_per_group", "hook path per group (fwd+bwd / groups)")]:
-        row = [label] + [_ms(over[i][key]) for i in ("fully_shard", "fully_shard_local_step", "torch_fsdp2")]
+        fmt = _us if key == "hook_per_group" else _ms
+        row = [label] + [fmt(over[i][key]) for i in ("fully_shard", "fully_shard_local_step", "torch_fsdp2")]
         row += [_ratio(rat["fully_shard"][key]), _ratio(rat["fully_shard_local_step"][key])]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
@@ -212,6 +228,11 @@ def render(section: dict[str, Any]) -> list[str]:
         f"{_ratio(best)}, **{'met' if best is not None and best <= GOAL_RATIO else 'not met'}**; without "
         f"{_ratio(rat['fully_shard']['step'])}. Hook path per group < {GOAL_HOOK_RATIO}x torch's: {_ratio(hook)}, "
         f"**{'met' if hook is not None and hook < GOAL_HOOK_RATIO else 'not met'}**.",
+        "",
+        "Paired check (median over rounds of the step minus the plain model's step in the same round): "
+        + ", ".join(f"{IMPL_LABELS[k]} {_ms(v)}" for k, v in res["paired_overhead_s"]["step"].items())
+        + f"; ours / torch {_ratio(res['paired_overhead_s']['ratio_to_torch']['fully_shard'])}, with `local_step` "
+        f"{_ratio(res['paired_overhead_s']['ratio_to_torch']['fully_shard_local_step'])}.",
         "",
         f"Numerics: losses of every step within {res['loss_rtol']:g} (relative) of the plain model's: "
         f"{'yes' if res['losses_agree'] else 'NO'} (largest difference "

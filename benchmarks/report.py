@@ -148,7 +148,8 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
     out: list[str] = []
     out.append(f"# fully_shard benchmarks: {env['date']} on {env['machine']}")
     out.append("")
-    out.append(f"Command: `{env['command']}` ({'quick smoke run' if results['quick'] else 'full run'}), "
+    run_kind = "quick smoke run" if results["quick"] else "full run" if results["configs"] else "partial run"
+    out.append(f"Command: `{env['command']}` ({run_kind}), "
                f"wall time {results['wall_s']:.0f} s.")
     out.append("")
     out.append(_table(["", ""], [
