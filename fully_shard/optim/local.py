@@ -206,14 +206,7 @@ def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) 
     if not swapped:
         return
     # same keys in the same order, DTensor parameters replaced by their local tensors
-    items = list(state.items())
-    state.clear()
-    for key, value in items:
-        swap = swapped.get(id(key))
-        if swap is None:
-            state[key] = value
-        else:
-            state[swap.local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in value.items()}
+    _rekey(state, swapped, lambda e: e.local, lambda e, v: {k: t._local_tensor if isinstance(t, DTensor) else t for k, t in v.items()})
 
 
 def _swap_out(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) -> None:
@@ -221,18 +214,27 @@ def _swap_out(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups)
         group["params"] = params
     if not undo:
         return
-    by_local = {id(e.local): e for e in undo}
-    state = opt.state
+    _rekey(opt.state, {id(e.local): e for e in undo}, lambda e: e.param, _state_back)
+    for entry in undo:
+        entry.local.grad = None
+
+
+def _rekey(
+    state: Any,
+    entries: dict[int, _Swapped],
+    new_key: Callable[[_Swapped], torch.Tensor],
+    new_value: Callable[[_Swapped, dict[str, Any]], dict[str, Any]],
+) -> None:
+    """Re-key the optimizer's ``state`` in place, keeping its order: each key whose id is in
+    ``entries`` becomes ``new_key(entry)``, its value ``new_value(entry, value)``."""
     items = list(state.items())
     state.clear()
     for key, value in items:
-        back = by_local.get(id(key))
-        if back is None:
+        entry = entries.get(id(key))
+        if entry is None:
             state[key] = value
         else:
-            state[back.param] = _state_back(back, value)
-    for entry in undo:
-        entry.local.grad = None
+            state[new_key(entry)] = new_value(entry, value)
 
 
 def _state_back(entry: _Swapped, local_state: dict[str, Any]) -> dict[str, Any]:
