@@ -22,26 +22,13 @@ from .tools.clip import clip_grad_norm_
 from .tools.plan import plan
 
 __all__ = [
-    "fully_shard",
-    "FSDPModule",
-    "UnshardHandle",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "CPUOffloadPolicy",
-    "register_fsdp_forward_method",
-    "DataParallelMeshDims",
-    "share_comm_ctx",
-    "ShardPlacementResult",
+    # torch's FSDP2 names
+    "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+    "register_fsdp_forward_method", "DataParallelMeshDims", "share_comm_ctx", "ShardPlacementResult",
     # beyond torch's FSDP2
-    "materialize",
-    "broadcast_full_state_dict",
-    "plan",
-    "clip_grad_norm_",
+    "materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_",
     # exceptions to catch
-    "CollectiveError",
-    "CollectiveMismatchError",
-    "ShardedUsageError",
-    "ShardedDeepcopyError",
+    "CollectiveError", "CollectiveMismatchError", "ShardedUsageError", "ShardedDeepcopyError",
 ]
 
 __version__ = "0.1.0"

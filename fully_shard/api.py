@@ -23,15 +23,6 @@ from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy
 from .state import STATE_ATTR, FSDPState, state_of
 from .streams import Streams
 
-__all__ = [
-    "fully_shard",
-    "FSDPModule",
-    "UnshardHandle",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-    "ShardPlacementResult",
-]
-
 
 @dataclass
 class ShardPlacementResult:
@@ -78,15 +69,15 @@ class ShardedDeepcopyError(RuntimeError, AssertionError):
     """
 
 
+@dataclass(eq=False)
 class _Owner:
     """Which fully_shard call sharded a parameter, kept on the original and the sharded
     parameter (``OWNER_ATTR``): tells a later call that reaches the same parameter whether
     it runs top-down or ties parameters across groups."""
 
-    def __init__(self, fqn: str, modules: tuple[nn.Module, ...], label: str) -> None:
-        self.fqn = fqn  # relative to ``modules``
-        self.modules = modules
-        self.label = label
+    fqn: str  # relative to ``modules``
+    modules: tuple[nn.Module, ...]
+    label: str
 
     def encloses(self, module: nn.Module) -> bool:
         return any(sub is module for m in self.modules for sub in m.modules())
@@ -205,8 +196,8 @@ def fully_shard(
     reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info)
     device = mesh_info.device
     ignored = set(ignored_params or ())
-    _check_ignored(modules, ignored)
     label = ", ".join(type(m).__name__ for m in modules)
+    _check_ignored(modules, ignored, label)
 
     found = _collect_params(modules, ignored)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -229,11 +220,6 @@ def fully_shard(
         )
     group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
     state = FSDPState(modules, group, device, reshard, post_forward, mp_policy, ignored)
-    for m in modules:
-        for sub in m.modules():
-            inner = getattr(sub, STATE_ATTR, None)
-            if inner is not None and inner.enclosing is None:
-                inner.enclosing = state  # the nearest enclosing call: names in messages before lazy init
     for m in modules:
         m.__dict__[STATE_ATTR] = state
         m.__class__ = _fsdp_class(type(m))
@@ -302,7 +288,7 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
     return modules
 
 
-def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> None:
+def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], label: str) -> None:
     """Every ignored parameter must be one of the modules' parameters."""
     if not ignored:
         return
@@ -312,9 +298,8 @@ def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
         what = ", ".join(
             f"a {type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p) for p in stray
         )
-        names = ", ".join(type(m).__name__ for m in modules)
         raise ValueError(
-            f"fully_shard({names}): ignored_params holds {len(stray)} tensor(s) that are not "
+            f"fully_shard({label}): ignored_params holds {len(stray)} tensor(s) that are not "
             f"parameters of the module(s): {what}. Pass parameters of the module being sharded "
             "(e.g. {module.bias}); a parameter replaced since it was collected is no longer "
             "the module's."
@@ -391,10 +376,7 @@ def _collect_params(
                 "Tied parameters must be in one group: pass both modules in one call, "
                 "fully_shard([a, b]), or shard their common parent instead."
             )
-        if p in found:
-            found[p][1].append((module, name))
-        else:
-            found[p] = (fqn, [(module, name)])
+        found.setdefault(p, (fqn, []))[1].append((module, name))
     return found
 
 
@@ -515,16 +497,16 @@ class FSDPModule:
         return self
 
     def _fully_shard_states(self, recurse: bool) -> list[FSDPState]:
-        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        states: dict[int, FSDPState] = {}
-        for m in modules:
-            state = getattr(m, STATE_ATTR, None)
-            if state is not None:
-                states.setdefault(id(state), state)
-        return list(states.values())
+        found = (getattr(m, STATE_ATTR, None) for m in (self.modules() if recurse else [self]))  # type: ignore[attr-defined]
+        return list({id(s): s for s in found if s is not None}.values())
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         return [s.group for s in self._fully_shard_states(recurse) if s.group is not None]
+
+    def _set(self, name: str, value: Any, recurse: bool) -> None:
+        """A setter's work: ``name`` on this module's group, and on every group below it with ``recurse``."""
+        for group in self._groups(recurse):
+            setattr(group, name, value)
 
     def no_sync(self) -> Any:
         """DDP's ``no_sync()`` does not exist here; raises with the fully_shard equivalent."""
@@ -547,8 +529,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's full parameters, leaving the sharded ones registered."""
-        group = state_of(self).group  # type: ignore[arg-type]
-        if group is not None:
+        for group in self._groups(recurse=False):
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -582,13 +563,11 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn gradient reduction on or off (off: gradients accumulate unsharded, locally,
         until a backward with it on). Applies to submodules too unless ``recurse=False``."""
-        for group in self._groups(recurse):
-            group.requires_gradient_sync = requires_gradient_sync
+        self._set("requires_gradient_sync", requires_gradient_sync, recurse)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: turn the all-reduce across replicas on or off (the reduce-scatter still runs)."""
-        for group in self._groups(recurse):
-            group.requires_all_reduce = requires_all_reduce
+        self._set("requires_all_reduce", requires_all_reduce, recurse)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free full parameters after forward (and gather them again in backward)."""
@@ -601,8 +580,7 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free full parameters after backward (False keeps them for the next
         forward, e.g. between gradient-accumulation microbatches)."""
-        for group in self._groups(recurse):
-            group.reshard_after_backward = reshard_after_backward
+        self._set("reshard_after_backward", reshard_after_backward, recurse)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters as this module's forward starts, instead of
@@ -619,14 +597,12 @@ class FSDPModule:
         ranks (this module's group only, as in torch: call it on each FSDP module)."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor!r}")
-        for group in self._groups(recurse=False):
-            group.gradient_divide_factor = float(factor)
+        self._set("gradient_divide_factor", float(factor), False)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the next forward's first all-gather wait for ``event`` (recorded after the
         optimizer step) rather than for the whole current stream. No-op on the CPU."""
         state_of(self).lazy_init().post_optim_event = event  # type: ignore[arg-type]
-
 
     # -- torch 2.13's communication controls ---------------------------------------------
 
@@ -634,8 +610,7 @@ class FSDPModule:
         """Whether backward all-gathers this module's parameters again. ``False`` saves that
         all-gather for modules whose backward does not need the parameters (e.g. an
         embedding); backward must then really not use them."""
-        for group in self._groups(recurse=False):
-            group.unshard_in_backward = unshard_in_backward
+        self._set("unshard_in_backward", unshard_in_backward, False)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce-scatter zeros for parameters that got no gradient this backward, so ranks
@@ -648,8 +623,7 @@ class FSDPModule:
             >>> fully_shard(moe_layer)  # router and all experts in one group
             >>> moe_layer.set_reduce_scatter_unused_params(True)
         """
-        for group in self._groups(recurse):
-            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+        self._set("reduce_scatter_unused_params", reduce_scatter_unused_params, recurse)
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Use ``comm`` for this module's all-gathers: torch's ``AllGather`` interface, i.e.
@@ -666,16 +640,14 @@ class FSDPModule:
             >>> block.set_custom_all_gather(MyAllGather())
         """
         _check_comm(comm, "set_custom_all_gather")
-        for group in self._groups(recurse=False):
-            group.all_gather_comm = comm
+        self._set("all_gather_comm", comm, False)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` for this module's reduce-scatters: torch's ``ReduceScatter``
         interface, ``comm.allocate(...)`` for both buffers and
         ``comm(output_tensor, input_tensor, group, op, async_op=False)``."""
         _check_comm(comm, "set_custom_reduce_scatter")
-        for group in self._groups(recurse=False):
-            group.reduce_scatter_comm = comm
+        self._set("reduce_scatter_comm", comm, False)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
         """Call ``hook(output)`` on each reduced flat gradient shard before it is divided and
@@ -695,8 +667,7 @@ class FSDPModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce this module's gradients with ``ReduceOp.SUM`` only (never ``AVG``), dividing
         in a separate step (this module's group only, as in torch)."""
-        for group in self._groups(recurse=False):
-            group.force_sum_reduction = enable
+        self._set("force_sum_reduction", enable, False)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Validated and recorded for torch compatibility; fully_shard frees each reduce-scatter
@@ -706,8 +677,7 @@ class FSDPModule:
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        for group in self._groups(recurse):
-            group.max_input_buffers = max_input_buffers
+        self._set("max_input_buffers", max_input_buffers, recurse)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run reduce-scatters on a process group of their own (one per set of shard ranks
@@ -753,35 +723,29 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 
         >>> share_comm_ctx([stage0_model, stage1_model])
     """
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise ValueError(f"share_comm_ctx expects modules sharded by fully_shard, got a {type(m).__name__}")
-    if modules:
-        shared = Streams(state_of(modules[0]).device)  # type: ignore[arg-type]
-        for m in modules:
-            state_of(m).shared_streams = shared  # type: ignore[arg-type]
+    states = _states_of(None, modules, "share_comm_ctx")
+    shared = Streams(states[0].device) if states else None
+    for state in states:
+        state.shared_streams = shared
 
 
-def _states_of(caller: nn.Module, modules: list[FSDPModule], method: str) -> list[FSDPState]:
+def _states_of(caller: nn.Module | None, modules: list[Any], method: str) -> list[FSDPState]:
     for i, m in enumerate(modules):
         if not isinstance(m, FSDPModule):
+            name = repr(type(m).__name__) if caller is None else _name_in_model(caller, m)
             raise ValueError(
-                f"{method} expects modules sharded by fully_shard, got {_name_in_model(caller, m)} "
+                f"{method} expects modules sharded by fully_shard, got {name} "
                 f"({type(m).__name__}, item {i} of the list). Pass modules fully_shard was called "
                 "on, e.g. model.layers[i + 1]."
             )
-    return [state_of(m) for m in modules]  # type: ignore[arg-type]
+    return [state_of(m) for m in modules]
 
 
 def _name_in_model(anchor: nn.Module, module: Any) -> str:
-    """``module``'s fully-qualified name under the outermost sharded module above ``anchor``."""
-    top = state_of(anchor)
-    while top.enclosing is not None:
-        top = top.enclosing
-    names = [name for root in (*top.modules, anchor) for name, m in root.named_modules() if m is module]
-    if not names:
+    """``module``'s fully-qualified name in the outermost model that holds ``anchor``."""
+    name = next((name for name, m in _outermost(anchor).named_modules() if m is module), None)
+    if name is None:
         return repr(type(module).__name__)
-    name = max(names, key=len)
     return repr(name) if name else "the root module"
 
 

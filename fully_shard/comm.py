@@ -136,7 +136,17 @@ def _wait(work: dist.Work, what: str) -> None:
     try:
         work.wait()
     except RuntimeError as e:
-        _print_debug_hint()
+        if not (monitor.hint_printed or monitor.is_debug()):
+            # once per process, on stderr: an abort may follow that no exception message survives
+            monitor.hint_printed = True
+            print(
+                f"fully_shard: a collective failed. If the ranks ran different modules (an exception or "
+                f"a skipped block on some ranks), rerun with the environment variable {DEBUG_ENV}=1: "
+                "every collective is then checked across ranks first and the first divergence raises "
+                "CollectiveMismatchError naming it (see docs/troubleshooting.md).",
+                file=sys.stderr,
+                flush=True,
+            )
         raise CollectiveError(
             f"fully_shard: the {what} did not complete: {e}\n"
             "Another rank has probably failed or stopped issuing the same collectives; this "
@@ -145,22 +155,6 @@ def _wait(work: dist.Work, what: str) -> None:
             "on the root module and carry on; otherwise restart from the last checkpoint. "
             f"To find where the ranks diverged, rerun with {DEBUG_ENV}=1."
         ) from e
-
-
-def _print_debug_hint() -> None:
-    """Once per process, on stderr: a failed collective may be followed by an abort that
-    no exception message survives."""
-    if monitor.hint_printed or monitor.is_debug():
-        return
-    monitor.hint_printed = True
-    print(
-        f"fully_shard: a collective failed. If the ranks ran different modules (an exception or "
-        f"a skipped block on some ranks), rerun with the environment variable {DEBUG_ENV}=1: "
-        "every collective is then checked across ranks first and the first divergence raises "
-        "CollectiveMismatchError naming it (see docs/troubleshooting.md).",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 @dataclass

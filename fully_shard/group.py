@@ -55,13 +55,7 @@ class ParamGroup:
     averaged gradient of its own rows, all-reduced across replicas under HSDP.
     """
 
-    def __init__(
-        self,
-        params: list[ShardedParam],
-        mesh_info: MeshInfo,
-        device: torch.device,
-        label: str,
-    ) -> None:
+    def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, device: torch.device, label: str) -> None:
         self.params = params
         self.mesh_info = mesh_info
         self.device = device

@@ -7,6 +7,7 @@ of the model unsharded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,13 +22,8 @@ __all__ = ["materialize", "broadcast_full_state_dict"]
 
 def _sharded_params(model: nn.Module) -> dict[int, ShardedParam]:
     """id(sharded parameter) -> its ShardedParam, for every group under ``model``."""
-    found: dict[int, ShardedParam] = {}
-    for m in model.modules():
-        state: FSDPState | None = getattr(m, STATE_ATTR, None)
-        if state is not None and state.group is not None:
-            for p in state.group.params:
-                found[id(p.sharded_param)] = p
-    return found
+    states: list[FSDPState | None] = [getattr(m, STATE_ATTR, None) for m in model.modules()]
+    return {id(p.sharded_param): p for s in states if s is not None and s.group is not None for p in s.group.params}
 
 
 def materialize(
@@ -70,21 +66,17 @@ def materialize(
     if seed is not None:
         torch.manual_seed(seed)
     for module in model.modules():
-        fn = init_fn
-        if fn is None:
-            reset = getattr(module, "reset_parameters", None)
-            if not callable(reset):
-                continue
-            fn = lambda m, reset=reset: reset()  # noqa: E731
-        with torch.no_grad():
-            _init_on_full(module, fn, sharded)
+        reset: Any = getattr(module, "reset_parameters", None)
+        if init_fn is not None or callable(reset):
+            with torch.no_grad():
+                _init_on_full(module, init_fn or (lambda m: reset()), sharded)
 
 
 def _init_on_full(module: nn.Module, fn: Callable[[nn.Module], None], sharded: dict[int, ShardedParam]) -> None:
     """Run ``fn(module)`` with full-size temporaries in place of its sharded parameters."""
     swapped: list[tuple[str, ShardedParam]] = []
     for name, p in module._parameters.items():
-        sp = sharded.get(id(p)) if p is not None else None
+        sp = sharded.get(id(p))
         if sp is None or sp.sharded_param is not p:
             continue
         if sp.tp_spec is not None:
@@ -137,23 +129,18 @@ def broadcast_full_state_dict(
     if rank == src and full_state_dict is None:
         raise ValueError(f"broadcast_full_state_dict: rank {src} (src) must pass the full state dict")
     sharded = _sharded_params(model)
-    names = [name for name, _ in _named_tensors(model)]
     if rank == src:
-        missing = [n for n in names if n not in full_state_dict]  # type: ignore[operator]
+        missing = [n for n, _ in _named_tensors(model) if n not in full_state_dict]  # type: ignore[operator]
         if missing:
             raise KeyError(f"broadcast_full_state_dict: the state dict has no entry for {missing[:5]}")
     with torch.no_grad():
         for name, tensor in _named_tensors(model):
             sp = sharded.get(id(tensor))
-            if sp is not None and sp.sharded_param is tensor:
-                full = torch.empty(sp.size, dtype=sp.dtype, device=sp.device)
-                if rank == src:
-                    full.copy_(full_state_dict[name])  # type: ignore[index]
-                comm.broadcast(full, src, group)
-                sp.local_shard.copy_(sp.local_part(full))
-                del full
-            else:
-                target = tensor.data
-                if rank == src:
-                    target.copy_(full_state_dict[name])  # type: ignore[index]
-                comm.broadcast(target, src, group)
+            # a sharded parameter goes through a full temporary, anything else in place
+            target = tensor.data if sp is None else torch.empty(sp.size, dtype=sp.dtype, device=sp.device)
+            if rank == src:
+                target.copy_(full_state_dict[name])  # type: ignore[index]
+            comm.broadcast(target, src, group)
+            if sp is not None:
+                sp.local_shard.copy_(sp.local_part(target))
+            del target  # the full temporary, before the next one is allocated

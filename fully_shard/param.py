@@ -41,11 +41,6 @@ class ShardLayout(NamedTuple):
         """Elements of every rank's padded slot in the all-gather / reduce-scatter buffers."""
         return self.chunk_rows * self.row_numel
 
-    @property
-    def unsharded_numel(self) -> int:
-        """Elements of the padded unsharded buffer: ``world`` slots."""
-        return self.world * self.slot_numel
-
 
 def shard_layout(shape: Sequence[int], world: int, rank: int) -> ShardLayout:
     """fully_shard's dim-0 layout of a parameter of ``shape`` on ``rank`` of ``world``.
@@ -106,16 +101,8 @@ class ShardedParam:
     """
 
     def __init__(
-        self,
-        param: nn.Parameter,
-        fqn: str,
-        uses: list[tuple[nn.Module, str]],
-        mesh_info: MeshInfo,
-        device: torch.device,
-        mp_policy: MixedPrecisionPolicy,
-        offload: bool,
-        pin_memory: bool,
-        shard_dim: int = 0,
+        self, param: nn.Parameter, fqn: str, uses: list[tuple[nn.Module, str]], mesh_info: MeshInfo, device: torch.device,
+        mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool, shard_dim: int = 0,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -182,10 +169,7 @@ class ShardedParam:
             if not param.is_meta:
                 local.copy_(src)
         self._spec = self._sharded_spec(param)
-        self.sharded_param = nn.Parameter(
-            DTensor(local, self._spec, requires_grad=param.requires_grad),
-            requires_grad=param.requires_grad,
-        )
+        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local), requires_grad=param.requires_grad)
         self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
         self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
@@ -209,10 +193,7 @@ class ShardedParam:
         and follow a new dtype."""
         local = self.local_shard
         if not local.is_meta and local.device != self.shard_device:
-            moved = nn.Parameter(
-                DTensor(local.to(self.shard_device), self._spec, requires_grad=False),
-                requires_grad=self.sharded_param.requires_grad,
-            )
+            moved = nn.Parameter(self.to_sharded_dtensor(local.to(self.shard_device)), requires_grad=self.sharded_param.requires_grad)
             torch.utils.swap_tensors(self.sharded_param, moved)
         self.set_owner(self.owner)  # Module._apply swaps DTensor parameters, attributes too
         dtype = self.local_shard.dtype

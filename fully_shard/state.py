@@ -143,14 +143,8 @@ class FSDPState:
     """Hooks and phases for the group of one ``fully_shard`` call over ``modules``."""
 
     def __init__(
-        self,
-        modules: tuple[nn.Module, ...],
-        group: ParamGroup | None,
-        device: torch.device,
-        reshard_after_forward: bool | None,
-        post_forward_ranks: PostForwardInfo | None,
-        mp_policy: MixedPrecisionPolicy,
-        ignored_params: set[nn.Parameter],
+        self, modules: tuple[nn.Module, ...], group: ParamGroup | None, device: torch.device, reshard_after_forward: bool | None,
+        post_forward_ranks: PostForwardInfo | None, mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter],
     ) -> None:
         self.modules = modules
         self.mp_policy = mp_policy
@@ -160,7 +154,6 @@ class FSDPState:
         self.post_forward_ranks = post_forward_ranks  # reshard_after_forward=k: this rank's k-rank group
         self.is_root = False  # decided at lazy init
         self.ctx: RootContext | None = None  # set at lazy init: ``lazy_init()`` returns it
-        self.enclosing: FSDPState | None = None  # the nearest enclosing fully_shard call
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, overrides implicit
         self.backward_prefetch: list[FSDPState] | None = None
@@ -259,12 +252,11 @@ class FSDPState:
         state below its module(s)."""
         if self.ctx is not None:
             return self.ctx
-        states: list[FSDPState] = []
-        names: dict[int, str] = {}
+        names: dict[FSDPState, str] = {}  # every state below, in module pre-order, root first
         for root_module in self.modules:
             for name, sub in root_module.named_modules():
                 state = getattr(sub, STATE_ATTR, None)
-                if state is None or id(state) in names:
+                if state is None or state in names:
                     continue
                 if state.ctx is not None:
                     raise RuntimeError(
@@ -272,30 +264,26 @@ class FSDPState:
                         "ran forward on its own, which made it a root. Run forward through the "
                         "outermost fully_shard module first (call fully_shard on the model last)."
                     )
-                names[id(state)] = name
-                states.append(state)
-        ctx = RootContext(states, self.shared_streams or Streams(self.device))
-        for state in states:
+                names[state] = name
+        ctx = RootContext(list(names), self.shared_streams or Streams(self.device))
+        for state, prefix in names.items():
             state.ctx = ctx
-            if state.group is not None:
-                state.group.streams = ctx.streams
             state.is_root = state is self
-            state.fqn = names[id(state)]
+            state.fqn = prefix
             if state.reshard_after_forward is None:
                 state.reshard_after_forward = not state.is_root
             if state.group is not None:
-                prefix = names[id(state)]
+                state.group.streams = ctx.streams
                 state.group.label = prefix or f"{type(self.modules[0]).__name__.removeprefix('FSDP')} (root)"
                 for p in state.group.params:
                     p.fqn = f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn
         # a parameter another group manages is not a replacement to pick up but a tie made
         # after sharding, refused by _check_registered_params
-        managed = {id(q.sharded_param) for s in states if s.group is not None for q in s.group.params}
-        for state in states:
-            if state.group is not None:
-                for p in state.group.params:
-                    p.pick_up_replacement(managed)
-                    p.check_materialized()
+        params = [p for state in names if state.group is not None for p in state.group.params]
+        managed = {id(p.sharded_param) for p in params}
+        for p in params:
+            p.pick_up_replacement(managed)
+            p.check_materialized()
         self._check_enclosing_model()
         return ctx
 
@@ -319,20 +307,14 @@ class FSDPState:
             frame = frame.f_back
         if outer is None:
             return
-        managed: set[int] = set()
-        ignored: set[int] = set()
+        known: set[int] = set()  # the parameters some fully_shard call shards or ignores
         for sub in outer.modules():
             state = getattr(sub, STATE_ATTR, None)
-            if state is None:
-                continue
-            ignored.update(id(p) for p in state.ignored_params)
-            for p in state.group.params if state.group is not None else ():
-                managed.update((id(p.sharded_param), id(p.unsharded_param)))
-        loose = [
-            name
-            for name, p in outer.named_parameters()
-            if p.requires_grad and id(p) not in managed and id(p) not in ignored and not isinstance(p, DTensor)
-        ]
+            if state is not None:
+                known.update(id(p) for p in state.ignored_params)
+                for p in state.group.params if state.group is not None else ():
+                    known.update((id(p.sharded_param), id(p.unsharded_param)))
+        loose = [n for n, p in outer.named_parameters() if p.requires_grad and id(p) not in known and not isinstance(p, DTensor)]
         if loose:
             shown = ", ".join(repr(n) for n in loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
             where = next(n for n, m in outer.named_modules() if m in mine)
@@ -567,22 +549,20 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
     parameter's key becomes this rank's shard; after an ``assign=True`` load, the newly
     assigned DTensor parameter becomes the group's sharded parameter.
     """
-    by_module: dict[int, tuple[nn.Module, dict[str, ShardedParam]]] = {}
+    by_module: dict[nn.Module, dict[str, ShardedParam]] = {}
     for sp in group.params:
         for m, name in sp.uses:
-            by_module.setdefault(id(m), (m, {}))[1][name] = sp
+            by_module.setdefault(m, {})[name] = sp
 
-    def save_pre_hook(m: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if group.is_unsharded:
-            for sp in group.params:
-                sp.register(unsharded=False)
+    def save_hook(unsharded: bool) -> Callable[..., None]:
+        def hook(*args: Any) -> None:  # pre-hook: register the shards, post-hook: back again
+            if group.is_unsharded:
+                for sp in group.params:
+                    sp.register(unsharded=unsharded)
 
-    def save_post_hook(m: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
-        if group.is_unsharded:
-            for sp in group.params:
-                sp.register(unsharded=True)
+        return hook
 
-    for module, params in by_module.values():
+    for module, params in by_module.items():
 
         def load_pre_hook(
             m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params
@@ -600,8 +580,8 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
                 if current is not None and current is not sp.sharded_param and isinstance(current, DTensor):
                     sp.adopt(current)
 
-        module.register_state_dict_pre_hook(save_pre_hook)
-        module.register_state_dict_post_hook(save_post_hook)
+        module.register_state_dict_pre_hook(save_hook(unsharded=False))
+        module.register_state_dict_post_hook(save_hook(unsharded=True))
         module.register_load_state_dict_pre_hook(load_pre_hook)
         module.register_load_state_dict_post_hook(load_post_hook)
 
