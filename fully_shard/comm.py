@@ -49,13 +49,9 @@ DEBUG_ENV = "FULLY_SHARD_DEBUG"  # "1": debug mode from the start, no code chang
 
 
 class CollectiveMonitor:
-    """Who watches fully_shard's collectives: observers (traces) and the debug mode.
-
-    The one piece of process-wide mutable state in fully_shard, reachable as
-    ``comm.monitor``; ``reset()`` returns it to its start-up state (the test harness calls
-    it between tests). ``add_observer``, ``remove_observer``, ``set_debug`` and ``is_debug``
-    below are its methods.
-    """
+    """Who watches fully_shard's collectives: observers (traces) and the debug mode. The one
+    piece of process-wide mutable state in fully_shard (``comm.monitor``, whose methods the
+    module-level ``add_observer`` ... ``is_debug`` are); the test harness ``reset()``s it."""
 
     def __init__(self) -> None:
         self.reset()

@@ -89,11 +89,9 @@ def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
 class ShardedParam:
     """A parameter sharded over the shard dim of the mesh, on tensor dim ``shard_dim``.
 
-    Dim 0 follows ``torch.chunk`` semantics: rank ``r`` of ``N`` holds rows
-    ``[r*c, min((r+1)*c, n))`` of an ``n``-row parameter with ``c = ceil(n / N)``, so the
-    last ranks may hold fewer rows, or none. In the flat collective buffers every rank's
-    slot is ``c`` rows (padded), so the unsharded buffer has ``N*c`` rows of which the first
-    ``n`` are the parameter. Other dims (``shard_placement_fn``) must divide evenly.
+    Dim 0 is laid out by :func:`shard_layout`: the unsharded buffer has ``N`` padded slots
+    of ``c`` rows, of which the first ``n`` rows are the parameter. Other dims
+    (``shard_placement_fn``) must divide evenly.
 
     A DTensor parameter (tensor parallelism) is sharded on its local tensor; its sharded
     DTensor lives on the mesh that joins the data-parallel and the TP mesh, and the

@@ -2,17 +2,16 @@
 
 On a device with streams (CUDA and alike) fully_shard overlaps communication with compute:
 
-- all-gather copy-in runs on the ``copy_in`` stream (after waiting for whatever last wrote
-  the shards: the optimizer step, or ``set_post_optim_event``) and the all-gather is issued
-  from it, so the collective starts only once its input is packed;
+- all-gather copy-in runs on the ``copy_in`` stream (after whatever last wrote the shards:
+  the optimizer step, or ``set_post_optim_event``), which also issues the all-gather, so the
+  collective starts only once its input is packed;
 - the copy-out runs on the current stream, which first waits for the collective;
 - reduce-scatter and the HSDP all-reduce run on the ``reduce_scatter`` stream, after it
   waits for the current stream (where autograd computed the gradients).
 
-No buffer is ever handed to ``Tensor.record_stream``: a buffer used on another stream than
-the one it was allocated on stays referenced by Python until an event proves its last
-consumer finished (``Streams.hold_all_gather``). On the CPU every method is a no-op and the code path is the
-same. Tests pass a recording double to ``Streams`` (``Backend``).
+No buffer is ever handed to ``Tensor.record_stream``: a buffer used on another stream stays
+referenced until an event proves its last consumer finished (``Streams.hold_all_gather``).
+On the CPU every method is a no-op on the same code path; tests pass a recording ``Backend``.
 """
 
 from __future__ import annotations
