@@ -184,8 +184,9 @@ def fully_shard(
         dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every
             parameter a DTensor on it, ``Replicate()`` on the data-parallel dims this names;
             fully_shard shards over ``shard`` (HSDP: replicates over ``replicate``) and the
-            sharded parameters stay DTensors on the full mesh. One shard and at most one
-            replicate dim name are supported.
+            sharded parameters stay DTensors on the full mesh, laid out as torch's. Several
+            names per role are flattened into one dim (shard names: adjacent, in mesh
+            order); ``replicate`` alone is DDP (parameters replicated, gradients averaged).
 
     Returns:
         ``module``, its class now also an :class:`FSDPModule`.
