@@ -167,6 +167,24 @@ def mesh_info_for(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | 
     )
 
 
+def mesh_info_of(obj: Any, fqn: str, made: list[MeshInfo]) -> MeshInfo:
+    """The mesh a ``ShardPlacementResult`` gives parameter ``fqn``: torch's ``FSDPMeshInfo`` /
+    ``HSDPMeshInfo`` (built with or without ``dp_mesh_dims``), a ``DeviceMesh``, or anything with
+    a ``mesh``. Meshes with the same process groups (as torch groups them) share one of ``made``."""
+    dims = getattr(obj, "dp_mesh_dims", None)
+    mesh = obj if isinstance(obj, DeviceMesh) else getattr(obj, "mesh" if dims is None else "spmd_mesh", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(
+            f"shard_placement_fn gave parameter {fqn!r} a ShardPlacementResult whose mesh_info "
+            f"({type(obj).__name__}) holds no DeviceMesh: pass torch's FSDPMeshInfo or a DeviceMesh"
+        )
+    info = mesh_info_for(mesh, dims)
+    keys = [(i.shard_mesh_dim, i.shard_group, i.replicate_group, i.spmd_mesh) for i in (*made, info)]
+    same = [m for m, k in zip(made, keys) if k == keys[-1]]
+    made += [] if same else [info]
+    return same[0] if same else info
+
+
 def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     """``dp_mesh_dims``: the data-parallel sub-mesh of a full SPMD mesh, remembering where its
     dims sit in the full mesh (the sharded DTensors live on the full mesh)."""

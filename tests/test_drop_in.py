@@ -485,3 +485,100 @@ def test_dp_mesh_dims_refusals() -> None:
     plain, apart = run_distributed(_spmd_refusals, 4)[0]
     assert "'weight'" in plain and "DTensor on the mesh" in plain, plain
     assert "('dp', 'cp') must be adjacent dims of the mesh" in apart, apart
+
+
+# ---------------------------------------------------------------------------
+# shard_placement_fn returning ShardPlacementResult: expert weights on a mesh of their own
+# ---------------------------------------------------------------------------
+
+
+class ExpertMLP(nn.Module):
+    """A dense stand-in for a mixture of experts: every token goes through every expert."""
+
+    def __init__(self, dim: int = 8, n_experts: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(dim, dim)
+        self.experts = nn.Parameter(torch.randn(n_experts, dim, dim) / dim**0.5)  # (E, D, D)
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out((torch.relu(self.inp(x)).unsqueeze(0) @ self.experts).mean(0))  # (E, B, D) -> (B, D)
+
+
+# the experts' mesh (on 4 ranks, the others' is 1-D over all 4) and their shard dim
+EXPERT_CASES = {"hsdp_2x2": 0, "fsdp_2_dim1": 1}
+
+
+def _experts(case: str, use_torch: bool, as_mesh: bool = False) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as TorchResult
+
+    from fully_shard import ShardPlacementResult, fully_shard
+
+    shard, result = (torch_fully_shard, TorchResult) if use_torch else (fully_shard, ShardPlacementResult)
+    mesh = init_device_mesh(device_type(), (4,))
+    expert_mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("rep", "efsdp"))
+    # torch's own mesh infos, as torchtitan builds them, passed to both
+    hsdp = case == "hsdp_2x2"
+    info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0) if hsdp else FSDPMeshInfo(expert_mesh["efsdp"], 0)
+    if as_mesh:
+        info = info.mesh  # ours also takes the DeviceMesh itself
+    model = ExpertMLP()
+    shard(model, mesh=mesh, shard_placement_fn=lambda p: result(Shard(EXPERT_CASES[case]), info) if p is model.experts else None)
+    layout = [(n, [str(q) for q in p.placements], p.device_mesh.mesh.tolist()) for n, p in model.named_parameters()]
+    state = [(k, [str(q) for q in v.placements]) for k, v in model.state_dict().items()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()), device="cpu").to(device())
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        grads += [p.grad.full_tensor() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": [p.full_tensor() for p in model.parameters()], "layout": layout, "state": state}
+
+
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+def test_shard_placement_result_on_another_mesh_matches_torch_fsdp2(case: str) -> None:
+    ours = run_distributed(_experts, 4, case, False)
+    theirs = run_distributed(_experts, 4, case, True)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        # the experts live on their own mesh (the others on the 4-rank one), with torch's placements
+        assert a["layout"] == b["layout"] and a["state"] == b["state"], f"rank {rank}: {a['layout']} != torch's {b['layout']}"
+        assert a["layout"][0][0] == "experts" and a["layout"][1][2] == [0, 1, 2, 3], a["layout"]
+        assert a["layout"][0][2] == ([[0, 1], [2, 3]] if case == "hsdp_2x2" else [[0, 1], [2, 3]][rank // 2]), a["layout"]
+        # bitwise: the same layouts reduced with the same gloo ops over the same ranks
+        assert a["losses"] == b["losses"], f"rank {rank}: losses {a['losses']} != torch's {b['losses']}"
+        for p, q in zip(a["grads"] + a["params"], b["grads"] + b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+    if case == "fsdp_2_dim1":  # experts reduced within their 2 ranks only: the two pairs differ
+        assert not torch.equal(ours[0]["params"][0], ours[2]["params"][0])
+    for a, c in zip(ours, run_distributed(_experts, 4, case, False, True)):  # the mesh itself: the same program
+        assert a["losses"] == c["losses"] and a["layout"] == c["layout"]
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], c["params"]))
+
+
+def _expert_refusals() -> list[str]:
+    from fully_shard import ShardPlacementResult, fully_shard
+
+    expert_mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("rep", "efsdp"))["efsdp"]
+    messages = []
+    for info, reshard in ((expert_mesh, 2), ("efsdp", True)):
+        model = ExpertMLP()
+        try:
+            fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), info) if p is model.experts else None,
+                        reshard_after_forward=reshard)
+            messages.append("no error")
+        except (NotImplementedError, ValueError) as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_shard_placement_result_refusals() -> None:
+    with_int, no_mesh = run_distributed(_expert_refusals, 4)[0]
+    assert "'experts' is on a mesh of its own" in with_int and "reshard_after_forward=<int>" in with_int, with_int
+    assert "'experts'" in no_mesh and "holds no DeviceMesh" in no_mesh, no_mesh
