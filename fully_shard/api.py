@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .group import ParamGroup
-from .mesh import mesh_info_for, resolve_reshard_after_forward, separate_group
+from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
 from .param import OWNER_ATTR, ShardedParam
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, FSDPState, state_of
@@ -28,13 +28,16 @@ from .streams import Streams
 class ShardPlacementResult:
     """What ``shard_placement_fn`` may return to name the mesh as well as the placement.
 
-    ``mesh_info`` is anything with a ``mesh`` attribute (torch's ``FSDPMeshInfo`` too). Only
-    the mesh passed to ``fully_shard`` is supported: a parameter on another mesh (e.g. expert
-    weights) goes into its own ``fully_shard`` call with ``mesh=`` that mesh.
+    ``mesh_info`` is torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` (e.g. from torch's
+    ``_get_mesh_info(mesh, dp_mesh_dims)``, as torchtitan builds them), or anything with a
+    ``mesh`` attribute, read as ``fully_shard``'s ``mesh=`` is. A parameter on another mesh
+    than the call's (e.g. expert weights on the expert mesh) is gathered and reduced in
+    collectives of its own mesh, as torch's FSDP2 does with one parameter group per mesh.
 
     Example::
 
-        >>> fully_shard(moe, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(1), info))
+        >>> experts = set(moe.experts.parameters())  # sharded over the 2 ranks of expert_mesh
+        >>> fully_shard(moe, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), expert_mesh) if p in experts else None)
     """
 
     placement: Shard | None
@@ -175,8 +178,9 @@ def fully_shard(
         dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every
             parameter a DTensor on it, ``Replicate()`` on the data-parallel dims this names;
             fully_shard shards over ``shard`` (HSDP: replicates over ``replicate``) and the
-            sharded parameters stay DTensors on the full mesh. One shard and at most one
-            replicate dim name are supported.
+            sharded parameters stay DTensors on the full mesh, laid out as torch's. Several
+            names per role are flattened into one dim (shard names: adjacent, in mesh
+            order); ``replicate`` alone is DDP (parameters replicated, gradients averaged).
 
     Returns:
         ``module``, its class now also an :class:`FSDPModule`.
@@ -202,9 +206,11 @@ def fully_shard(
     found = _collect_params(modules, ignored)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = offload and offload_policy.pin_memory  # type: ignore[attr-defined]
+    meshes = [mesh_info]  # and those shard_placement_fn names (ShardPlacementResult)
     sharded = [
-        ShardedParam(p, fqn, uses, mesh_info, device, mp_policy, offload, pin, _shard_dim(shard_placement_fn, p, fqn, mesh_info.mesh))
+        ShardedParam(p, fqn, uses, info, device, mp_policy, offload, pin, dim)
         for p, (fqn, uses) in found.items()
+        for dim, info in [_placement(shard_placement_fn, p, fqn, mesh_info, meshes)]
     ]
     _move_buffers(modules, device)
     for original, sp in zip(found, sharded):
@@ -218,6 +224,13 @@ def fully_shard(
             f"fully_shard({label}): reshard_after_forward=<int> is not supported for tensor-subclass "
             f"parameters that all-gather themselves ({next(sp.local_fqn for sp in sharded if sp.extension)!r}); pass True or False"
         )
+    for sp in sharded:
+        if sp.mesh_info is not mesh_info and (post_forward is not None or sp.extension):
+            raise NotImplementedError(
+                f"fully_shard({label}): parameter {sp.local_fqn!r} is on a mesh of its own (ShardPlacementResult), which "
+                "is not supported for tensor-subclass parameters or with reshard_after_forward=<int>: pass True or "
+                "False, or shard it in its own fully_shard call with mesh=<its mesh>"
+            )
     group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
     state = FSDPState(modules, group, device, reshard, post_forward, mp_policy, ignored)
     for m in modules:
@@ -245,19 +258,16 @@ def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: An
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
 
 
-def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, mesh: DeviceMesh) -> int:
-    placement: Any = shard_placement_fn(param) if shard_placement_fn is not None else None
+def _placement(
+    fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, info: MeshInfo, meshes: list[MeshInfo]
+) -> tuple[int, MeshInfo]:
+    """The shard dim and mesh ``shard_placement_fn`` gives ``param`` (default: 0 on ``info``'s)."""
+    placement: Any = fn(param) if fn is not None else None
     if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # a ShardPlacementResult
-        other = getattr(placement.mesh_info, "mesh", None)
-        if other is not mesh and other != mesh:
-            raise NotImplementedError(
-                f"shard_placement_fn put parameter {fqn!r} on another mesh than the one passed to "
-                "fully_shard: per-parameter meshes are not supported. Shard such parameters "
-                "(e.g. the experts) in their own fully_shard call with mesh=<their mesh>."
-            )
+        info = mesh_info_of(placement.mesh_info, fqn, meshes)
         placement = placement.placement
     if placement is None:
-        return 0
+        return 0, info
     if type(placement) is not Shard:
         raise ValueError(
             f"shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, got {placement!r} for parameter {fqn!r}"
@@ -265,7 +275,7 @@ def _shard_dim(shard_placement_fn: Callable[[nn.Parameter], Any] | None, param: 
     dim = placement.dim
     if not -param.dim() <= dim < param.dim():
         raise ValueError(f"shard_placement_fn returned {placement!r} for parameter {fqn!r} of {param.dim()} dims")
-    return dim
+    return dim, info
 
 
 def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...]:
@@ -685,7 +695,9 @@ class FSDPModule:
         with all-gathers."""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
-            group.reduce_scatter_group = separate_group(group.mesh_info, made, group.reduce_scatter_group) if enable else None
+            infos = {id(p.mesh_info): p.mesh_info for p in group.params}  # one per mesh of the call
+            old = group.reduce_scatter_groups
+            group.reduce_scatter_groups = {k: separate_group(i, made, old.get(k)) for k, i in infos.items()} if enable else {}
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Not supported: ``True`` raises (a NCCL allocation optimisation; fully_shard

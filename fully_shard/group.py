@@ -51,8 +51,9 @@ class ParamGroup:
     """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call.
 
     One all-gather rebuilds every parameter of the group (one per unsharded dtype when
-    dtypes are mixed); one reduce-scatter (per reduce dtype) leaves each rank with the
-    averaged gradient of its own rows, all-reduced across replicas under HSDP.
+    dtypes are mixed, and per mesh when ``shard_placement_fn`` puts parameters on their own);
+    one reduce-scatter (per reduce dtype and mesh) leaves each rank with the averaged
+    gradient of its own rows, all-reduced across replicas under HSDP.
     """
 
     def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, device: torch.device, label: str) -> None:
@@ -80,7 +81,7 @@ class ParamGroup:
         self.max_input_buffers = 1  # recorded only (see set_reduce_scatter_max_input_buffers)
         self.all_gather_comm: Any = None  # torch's Comm API (set_custom_all_gather)
         self.reduce_scatter_comm: Any = None
-        self.reduce_scatter_group: torch.distributed.ProcessGroup | None = None  # None: the shard group
+        self.reduce_scatter_groups: dict[int, torch.distributed.ProcessGroup] = {}  # by id(MeshInfo); else the shard group
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # set by pre-forward under grad mode; cleared once post-backward has run
         self.needs_post_backward = False
@@ -111,7 +112,7 @@ class ParamGroup:
         gather themselves); from POST_FORWARD, of the kept slices within the k ranks."""
         pf, info = self.post_forward, self.mesh_info
 
-        def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str) -> comm.CollectiveWork:
+        def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, info: MeshInfo = info) -> comm.CollectiveWork:
             group, size, rank = (info.shard_group, info.shard_size, info.shard_rank) if pf is None else (pf.group, pf.size, pf.rank)
             return comm.all_gather(
                 shards, numels, group, size, rank, dtype, self.device, async_op=True, what=what, custom=self.all_gather_comm,
@@ -128,7 +129,8 @@ class ParamGroup:
                 p.post_forward_slice = None  # packed into the all-gather input
             return works
         what = f"all-gather of {self.label}'s parameters"
-        works = [gather([p.local_shard for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what) for b in self._gather_buckets]
+        works = [gather([p.local_shard for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what, b[0].mesh_info)
+                 for b in self._gather_buckets]
         if self._ext:
             inputs, self._ext_slots = [], []
             for p in self._ext:
@@ -262,22 +264,20 @@ class ParamGroup:
             grads[id(p)] = grad
         if not with_grad:
             return None
-        info = self.mesh_info
         reductions = []
         streams = self._streams()
         streams.wait_for_current("reduce_scatter")  # the gradients were computed there
         with streams.use("reduce_scatter"):
             for bucket in _buckets(with_grad, lambda p: p.reduce_dtype):  # one per reduce dtype
                 reductions.append((self._reduce_scatter(bucket, grads), bucket))
-        all_reduce = info.replicate_group is not None and self.requires_all_reduce
         # the gradients are read on the reduce-scatter stream: held until it is done with them
-        return PendingReduce(self, reductions, all_reduce, list(grads.values()))
+        return PendingReduce(self, reductions, self.requires_all_reduce, list(grads.values()))
 
     def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[int, torch.Tensor]) -> comm.ReduceScatterWork:
-        info = self.mesh_info
+        info = bucket[0].mesh_info
         return comm.reduce_scatter(
             [p.grad_for_reduce(grads[id(p)]) for p in bucket],
-            self.reduce_scatter_group or info.shard_group,
+            self.reduce_scatter_groups.get(id(info), info.shard_group),
             info.shard_size,
             info.replicate_size,
             bucket[0].reduce_dtype,
@@ -301,8 +301,8 @@ class ParamGroup:
         pending.held = []
 
     def _finish_reduce(self, pending: PendingReduce) -> None:
-        info = self.mesh_info
         for work, params in pending.reductions:
+            info = params[0].mesh_info
             output = work.wait()  # 1-D, the packed padded shards of params
             key = tuple(id(p) for p in params)
             partial = self._partials.pop(key, None)
@@ -324,10 +324,10 @@ class ParamGroup:
 
 
 def _buckets(params: list[ShardedParam], key: Callable[[ShardedParam], torch.dtype]) -> list[list[ShardedParam]]:
-    """Split ``params`` by ``key``, keeping their order (one bucket when all agree)."""
-    buckets: dict[torch.dtype, list[ShardedParam]] = {}
+    """Split ``params`` by mesh and ``key``, keeping their order (one bucket when all agree)."""
+    buckets: dict[tuple[int, torch.dtype], list[ShardedParam]] = {}
     for p in params:
-        buckets.setdefault(key(p), []).append(p)
+        buckets.setdefault((id(p.mesh_info), key(p)), []).append(p)
     return list(buckets.values())
 
 
@@ -337,5 +337,5 @@ class PendingReduce:
 
     group: ParamGroup
     reductions: list[tuple[comm.ReduceScatterWork, list[ShardedParam]]]
-    all_reduce: bool  # HSDP: whether to all-reduce across replicas when it lands
+    all_reduce: bool  # HSDP: whether to all-reduce across replicas when it lands (requires_all_reduce)
     held: list[torch.Tensor]  # the unsharded gradients, read on the reduce-scatter stream

@@ -18,17 +18,19 @@ class MeshInfo:
     """The data-parallel view of a mesh: 1-D (shard only) or 2-D (replicate, shard)."""
 
     mesh: DeviceMesh
-    shard_mesh_dim: int  # mesh dim that parameters are sharded over
-    replicate_mesh_dim: int | None  # HSDP: mesh dim that parameters are replicated over
-    # dp_mesh_dims: the full SPMD mesh the parameters live on, and its data-parallel dims
+    shard_mesh_dim: int | None  # mesh dim that parameters are sharded over; None: DDP (nothing sharded)
+    replicate_mesh_dim: int | None  # HSDP (and DDP): mesh dim that parameters are replicated over
+    # dp_mesh_dims: the full SPMD mesh the parameters live on, and where its dp dims are in it
     spmd_mesh: DeviceMesh | None = None
-    spmd_shard_dim: int | None = None  # index in spmd_mesh of the dim this mesh's shard dim is
-    spmd_replicate_dim: int | None = None
+    spmd_shard_dims: tuple[int, ...] = ()  # flattened into this mesh's shard dim
+    spmd_replicate_dims: tuple[int, ...] = ()  # flattened into its replicate dim
 
     def __post_init__(self) -> None:
-        self.shard_group: dist.ProcessGroup = self.mesh.get_group(self.shard_mesh_dim)
-        self.shard_size: int = self.mesh.size(self.shard_mesh_dim)
-        self.shard_rank: int = self.mesh.get_local_rank(self.shard_mesh_dim)
+        # DDP: each rank's shard is the whole parameter, so no collective uses shard_group
+        dim = self.replicate_mesh_dim if self.shard_mesh_dim is None else self.shard_mesh_dim
+        self.shard_group: dist.ProcessGroup = self.mesh.get_group(dim)
+        self.shard_size: int = 1 if self.shard_mesh_dim is None else self.mesh.size(dim)
+        self.shard_rank: int = 0 if self.shard_mesh_dim is None else self.mesh.get_local_rank(dim)
         self.replicate_group: dist.ProcessGroup | None = None
         self.replicate_size = 1
         if self.replicate_mesh_dim is not None:
@@ -101,6 +103,8 @@ def reshard_setting(value: bool | int | None, n: int) -> bool | int | None:
 def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, PostForwardInfo | None]:
     """``reshard_after_forward``, once: whether to reshard after forward (``None``: decided
     at lazy init) and, for an int ``k`` (see :func:`reshard_setting`), this rank's k-rank group."""
+    if info.shard_mesh_dim is None:
+        return False, None  # DDP: nothing to reshard to; the full parameters stay, as in torch
     setting = reshard_setting(value, info.shard_size)
     if setting is None or isinstance(setting, bool):
         return setting, None
@@ -163,6 +167,24 @@ def mesh_info_for(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | 
     )
 
 
+def mesh_info_of(obj: Any, fqn: str, made: list[MeshInfo]) -> MeshInfo:
+    """The mesh a ``ShardPlacementResult`` gives parameter ``fqn``: torch's ``FSDPMeshInfo`` /
+    ``HSDPMeshInfo`` (built with or without ``dp_mesh_dims``), a ``DeviceMesh``, or anything with
+    a ``mesh``. Meshes with the same process groups (as torch groups them) share one of ``made``."""
+    dims = getattr(obj, "dp_mesh_dims", None)
+    mesh = obj if isinstance(obj, DeviceMesh) else getattr(obj, "mesh" if dims is None else "spmd_mesh", None)
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(
+            f"shard_placement_fn gave parameter {fqn!r} a ShardPlacementResult whose mesh_info "
+            f"({type(obj).__name__}) holds no DeviceMesh: pass torch's FSDPMeshInfo or a DeviceMesh"
+        )
+    info = mesh_info_for(mesh, dims)
+    keys = [(i.shard_mesh_dim, i.shard_group, i.replicate_group, i.spmd_mesh) for i in (*made, info)]
+    same = [m for m, k in zip(made, keys) if k == keys[-1]]
+    made += [] if same else [info]
+    return same[0] if same else info
+
+
 def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     """``dp_mesh_dims``: the data-parallel sub-mesh of a full SPMD mesh, remembering where its
     dims sit in the full mesh (the sharded DTensors live on the full mesh)."""
@@ -179,15 +201,16 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     for name in dims.shard_names + dims.replicate_names:
         if name not in names:
             raise ValueError(f"dp_mesh_dims names the mesh dim {name!r}, which is not one of this mesh's dims {names}")
-    if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
-        raise NotImplementedError(
-            f"fully_shard supports dp_mesh_dims with exactly one shard dim and at most one replicate "
-            f"dim, got {dims}. Flatten the dims into one named dim of the mesh first "
-            "(mesh[names]._flatten(name)), or pass mesh=<data-parallel sub-mesh> without dp_mesh_dims."
+    shard, rep = (tuple(names.index(n) for n in role) for role in (dims.shard_names, dims.replicate_names))
+    if shard and shard != tuple(range(shard[0], shard[0] + len(shard))):
+        raise ValueError(
+            f"dp_mesh_dims: the shard dims {dims.shard_names} must be adjacent dims of the mesh {names}, in its "
+            "order, to be flattened into one (as torch's FSDP2 requires too)"
         )
-    shard_index = names.index(dims.shard_names[0])
-    if not dims.replicate_names:
-        return MeshInfo(mesh[dims.shard_names[0]], 0, None, mesh, shard_index, None)
-    rep_index = names.index(dims.replicate_names[0])
-    dp_mesh = DeviceMesh._concatenate([mesh[dims.replicate_names[0]], mesh[dims.shard_names[0]]])
-    return MeshInfo(dp_mesh, 1, 0, mesh, shard_index, rep_index)
+
+    def flat(role: tuple[str, ...]) -> DeviceMesh:  # several dims are flattened into one, as torch does
+        return mesh[role[0]] if len(role) == 1 else mesh[role]._flatten("_".join(role))
+
+    dp = [flat(role) for role in (dims.replicate_names, dims.shard_names) if role]
+    dp_mesh = dp[0] if len(dp) == 1 else DeviceMesh._concatenate(dp)
+    return MeshInfo(dp_mesh, len(dp) - 1 if shard else None, 0 if rep else None, mesh, shard, rep)

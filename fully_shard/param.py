@@ -208,17 +208,23 @@ class ShardedParam:
         info = self.mesh_info
         placement: Placement = Shard(self.shard_dim)
         dp: tuple[Placement, ...]
-        if info.spmd_mesh is not None:  # dp_mesh_dims: Shard the dp dim of the parameter's own mesh
-            assert self.tp_spec is not None and info.spmd_shard_dim is not None
-            placements = list(self.tp_spec.placements)
-            # the dims after the dp dim that shard the same tensor dim already split it first
-            split = 1
-            for j in range(info.spmd_shard_dim + 1, info.spmd_mesh.ndim):
-                p = placements[j]
-                if isinstance(p, Shard) and p.dim == self.shard_dim:
-                    split *= info.spmd_mesh.size(j)
-            placements[info.spmd_shard_dim] = _StridedShard(self.shard_dim, split_factor=split) if split > 1 else placement
-            return DTensorSpec(info.spmd_mesh, tuple(placements), self.tp_spec.tensor_meta)
+        if info.spmd_mesh is not None:  # dp_mesh_dims: Shard the dp dims of the parameter's own mesh
+            assert self.tp_spec is not None
+            spmd, tp = info.spmd_mesh, self.tp_spec.placements
+            placements = list(tp)
+            # the later mesh dims that shard the same tensor dim split it before the dp dim does
+            splits = [spmd.size(j) if isinstance(p, (Shard, _StridedShard)) and p.dim == self.shard_dim else 1 for j, p in enumerate(tp)]
+            for i in info.spmd_shard_dims:
+                split = math.prod(splits[i + 1 :])
+                placements[i] = _StridedShard(self.shard_dim, split_factor=split) if split > 1 else placement
+            if len(info.spmd_shard_dims) < 2:
+                return DTensorSpec(spmd, tuple(placements), self.tp_spec.tensor_meta)
+            # several shard dims: the dp mesh (HSDP: with its replicate dim) stands in for them, at the first
+            first, hsdp, names = info.spmd_shard_dims[0], info.replicate_mesh_dim is not None, cast(tuple[str, ...], spmd.mesh_dim_names)
+            keep = [i for i in range(spmd.ndim) if i not in info.spmd_shard_dims[1:] + (info.spmd_replicate_dims if hsdp else ())]
+            meshes = [info.mesh if i == first else spmd[names[i]] for i in keep]
+            spec = [q for i in keep for q in ((Replicate(), placements[i]) if hsdp and i == first else (placements[i],))]
+            return DTensorSpec(DeviceMesh._concatenate(meshes), tuple(spec), self.tp_spec.tensor_meta)
         if self.tp_spec is None:
             dp = (placement,) if info.replicate_mesh_dim is None else (Replicate(), placement)
             meta = TensorMeta(param.shape, _contiguous_stride(param.shape), self.dtype)
@@ -433,9 +439,8 @@ class ShardedParam:
             assert self.tp_spec is not None
             target = list(self.tp_spec.placements)
             info = self.mesh_info
-            for i in (info.spmd_shard_dim, info.spmd_replicate_dim):
-                if i is not None:  # dp_mesh_dims: the reduce-scatter below reduces these dims
-                    target[i] = grad.placements[i]
+            for i in info.spmd_shard_dims + info.spmd_replicate_dims:  # dp_mesh_dims: reduced below
+                target[i] = grad.placements[i]
             if tuple(grad.placements) != tuple(target):  # e.g. Partial from sequence parallelism
                 grad = grad.redistribute(placements=target)
             grad = grad._local_tensor
@@ -474,8 +479,8 @@ def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
             f"to fully_shard (e.g. from distribute_module / parallelize_module), got "
             f"{'a DTensor on another mesh' if isinstance(param, DTensor) else 'a plain tensor'}"
         )
-    for i in (info.spmd_shard_dim, info.spmd_replicate_dim):
-        if i is not None and not isinstance(param.placements[i], Replicate):
+    for i in info.spmd_shard_dims + info.spmd_replicate_dims:
+        if not isinstance(param.placements[i], Replicate):
             names = param.device_mesh.mesh_dim_names or ()
             raise ValueError(
                 f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has placement "

@@ -364,77 +364,221 @@ def test_reduce_scatter_unused_params_with_per_rank_experts(world_size: int) -> 
 
 
 class SpmdMLP(nn.Module):
-    """Column- then row-parallel MLP whose weights live on the whole ("dp", "tp") mesh."""
+    """Column- then row-parallel MLP whose weights live on the whole SPMD mesh: sharded over
+    the ``tp`` dim (when there is one), ``Replicate()`` on every other dim."""
 
-    def __init__(self, mesh: Any, dim: int = 8, hidden: int = 12) -> None:
+    def __init__(self, mesh: Any, tp: str | None = "tp", dim: int = 8, hidden: int = 12) -> None:
         super().__init__()
         torch.manual_seed(0)
         w1, w2 = torch.randn(hidden, dim), torch.randn(dim, hidden)
-        tp = mesh.get_local_rank("tp")
-        self.w1 = nn.Parameter(DTensor.from_local(w1.chunk(2, 0)[tp].contiguous(), mesh, (Replicate(), Shard(0))))  # colwise
-        self.w2 = nn.Parameter(DTensor.from_local(w2.chunk(2, 1)[tp].contiguous(), mesh, (Replicate(), Shard(1))))  # rowwise
+        names, pl1, pl2 = mesh.mesh_dim_names, [Replicate()] * mesh.ndim, [Replicate()] * mesh.ndim
+        if tp is not None:
+            i, rank = names.index(tp), mesh.get_local_rank(tp)
+            pl1[i], pl2[i] = Shard(0), Shard(1)  # colwise, rowwise
+            w1, w2 = w1.chunk(mesh.size(i), 0)[rank].contiguous(), w2.chunk(mesh.size(i), 1)[rank].contiguous()
+        self.w1 = nn.Parameter(DTensor.from_local(w1.to(device()), mesh, pl1))
+        self.w2 = nn.Parameter(DTensor.from_local(w2.to(device()), mesh, pl2))
 
     def forward(self, x: Any) -> Any:
         return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, self.w1)), self.w2)
 
 
-def _spmd(use_torch: bool, torch_dims: bool = False) -> list[Any]:
+# on 4 ranks: mesh shape, dim names, the TP dim (or None), DataParallelMeshDims' fields
+SPMD_CASES: dict[str, tuple[tuple[int, ...], tuple[str, ...], str | None, dict[str, Any]]] = {
+    "fsdp": ((2, 2), ("dp", "tp"), "tp", {"shard": "dp"}),
+    "fsdp_two_shard_dims": ((2, 2), ("dp", "cp"), None, {"shard": ("dp", "cp")}),  # flattened: 4-way
+    "fsdp_two_shard_dims_tp": ((2, 1, 2), ("dp", "cp", "tp"), "tp", {"shard": ("dp", "cp")}),  # _StridedShard
+    "hsdp_two_shard_dims": ((2, 1, 2), ("rep", "dp", "cp"), None, {"shard": ("dp", "cp"), "replicate": "rep"}),
+    "hsdp_two_replicate_dims": ((2, 1, 2), ("r1", "r2", "dp"), None, {"shard": "dp", "replicate": ("r1", "r2")}),
+    "ddp_tp": ((2, 2), ("dp", "tp"), "tp", {"replicate": "dp"}),
+    "ddp_two_replicate_dims": ((2, 2), ("a", "b"), None, {"replicate": ("a", "b")}),
+}
+
+
+def _spmd(case: str, use_torch: bool, torch_dims: bool = False, ckpt: str | None = None) -> dict[str, Any]:
+    """Train the case's model 2 steps; with ``ckpt``, torch saves its parameters there (DCP)
+    and ours loads them afterwards into zeroed parameters."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     from fully_shard import DataParallelMeshDims, fully_shard
 
+    shape, names, tp, fields = SPMD_CASES[case]
     shard, dims = (torch_fully_shard, TorchDims) if use_torch else (fully_shard, DataParallelMeshDims)
     if torch_dims:
         dims = TorchDims  # torch's own class passed to ours, as torchtitan does
-    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
-    model = SpmdMLP(mesh)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    model = SpmdMLP(mesh, tp)
     for p in model.parameters():
         # torch's FSDP2 wants each parameter's mesh to be the very mesh object passed to it,
         # but DTensor's caches may hand nn.Parameter(...) an equal mesh from an earlier test
         p._spec = dataclasses.replace(p._spec, mesh=mesh)
-    shard(model, mesh=mesh, dp_mesh_dims=dims(shard="dp"))
-    placements = [tuple(p.placements) for p in model.parameters()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
+    shard(model, mesh=mesh, dp_mesh_dims=dims(**fields))
+    layout = [(n, [str(q) for q in p.placements], p.device_mesh.mesh_dim_names, p.device_mesh.mesh.tolist())
+              for n, p in model.named_parameters()]
+    state = [(k, [str(q) for q in v.placements], v.device_mesh.mesh_dim_names) for k, v in model.state_dict().items()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses, grads = [], []
+    x_placements = [Replicate() if n == tp else Shard(0) for n in names]  # the batch is split over the dp dims
     for step in range(2):
-        x_full = torch.randn(4, 8, generator=torch.Generator().manual_seed(step), device="cpu").to(device())
-        x = distribute_tensor(x_full, mesh, (Shard(0), Replicate()))
-        loss = model(x).pow(2).sum().full_tensor()
+        x_full = torch.randn(8, 8, generator=torch.Generator().manual_seed(step), device="cpu").to(device())
+        loss = model(distribute_tensor(x_full, mesh, x_placements)).pow(2).sum().full_tensor()
         loss.backward()
+        grads += [p.grad.full_tensor() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return [losses, [p.full_tensor() for p in model.parameters()], [str(p) for pl in placements for p in pl]]
+    out = {"losses": losses, "grads": grads, "params": [p.full_tensor() for p in model.parameters()], "layout": layout, "state": state}
+    if ckpt is not None and use_torch:
+        dcp.save(model.state_dict(), checkpoint_id=ckpt)
+    elif ckpt is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        dcp.load(model.state_dict(), checkpoint_id=ckpt)
+        out["loaded"] = [p.full_tensor() for p in model.parameters()]
+    return out
 
 
-def test_dp_mesh_dims_matches_torch_fsdp2() -> None:
-    ours = run_distributed(_spmd, 4, False)
-    theirs = run_distributed(_spmd, 4, True)
-    # torch's DataParallelMeshDims is accepted by ours and means the same (bitwise: same program)
-    for a, c in zip(ours, run_distributed(_spmd, 4, False, True)):
-        assert a[0] == c[0] and a[2] == c[2] and all(torch.equal(p, q) for p, q in zip(a[1], c[1]))
+@pytest.mark.parametrize("case", list(SPMD_CASES))
+def test_dp_mesh_dims_matches_torch_fsdp2(case: str, tmp_path: Any) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    theirs = run_distributed(_spmd, 4, case, True, ckpt=ckpt)
+    ours = run_distributed(_spmd, 4, case, False, ckpt=ckpt)
+    if case == "fsdp":  # torch's DataParallelMeshDims is accepted by ours and means the same (bitwise: same program)
+        for a, c in zip(ours, run_distributed(_spmd, 4, case, False, True)):
+            assert a["losses"] == c["losses"] and a["layout"] == c["layout"]
+            assert all(torch.equal(p, q) for p, q in zip(a["params"], c["params"]))
     for rank, (a, b) in enumerate(zip(ours, theirs)):
-        # the same placements on the full mesh: (Shard(0) on dp, TP's on tp)
-        assert a[2] == b[2], f"rank {rank}: placements {a[2]} != torch's {b[2]}"
-        # bitwise: 2 dp ranks reduce with AVG over the same layout (see module docstring)
-        assert a[0] == b[0], f"rank {rank}: losses {a[0]} != torch's {b[0]}"
-        for p, q in zip(a[1], b[1]):
+        # the same placements on the same meshes (the flattened dp dims included), in the state dict too
+        assert a["layout"] == b["layout"], f"rank {rank}: {a['layout']} != torch's {b['layout']}"
+        assert a["state"] == b["state"], f"rank {rank}: {a['state']} != torch's {b['state']}"
+        # bitwise: both reduce the same flat layout with the same gloo ops (AVG over the same ranks)
+        assert a["losses"] == b["losses"], f"rank {rank}: losses {a['losses']} != torch's {b['losses']}"
+        for p, q in zip(a["grads"] + a["params"], b["grads"] + b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        # torch's DCP checkpoint loads into ours (zeroed first): the same layouts, the same values
+        for p, q in zip(a["loaded"], b["params"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def _spmd_plain_param() -> str:
+def _spmd_refusals() -> list[str]:
     from fully_shard import DataParallelMeshDims, fully_shard
 
-    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
-    try:
-        fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    mesh = init_device_mesh(device_type(), (2, 1, 2), mesh_dim_names=("dp", "tp", "cp"))
+    messages = []
+    for module, dims in (
+        (nn.Linear(4, 4), DataParallelMeshDims(shard="dp")),  # a plain parameter
+        (SpmdMLP(mesh, tp=None), DataParallelMeshDims(shard=("dp", "cp"))),  # not adjacent: torch fails inside DeviceMesh
+    ):
+        try:
+            fully_shard(module, mesh=mesh, dp_mesh_dims=dims)
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
 
 
-def test_dp_mesh_dims_refuses_plain_parameters() -> None:
-    msg = run_distributed(_spmd_plain_param, 4)[0]
-    assert "'weight'" in msg and "DTensor on the mesh" in msg, msg
+def test_dp_mesh_dims_refusals() -> None:
+    plain, apart = run_distributed(_spmd_refusals, 4)[0]
+    assert "'weight'" in plain and "DTensor on the mesh" in plain, plain
+    assert "('dp', 'cp') must be adjacent dims of the mesh" in apart, apart
+
+
+# ---------------------------------------------------------------------------
+# shard_placement_fn returning ShardPlacementResult: expert weights on a mesh of their own
+# ---------------------------------------------------------------------------
+
+
+class ExpertMLP(nn.Module):
+    """A dense stand-in for a mixture of experts: every token goes through every expert."""
+
+    def __init__(self, dim: int = 8, n_experts: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(dim, dim)
+        self.experts = nn.Parameter(torch.randn(n_experts, dim, dim) / dim**0.5)  # (E, D, D)
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out((torch.relu(self.inp(x)).unsqueeze(0) @ self.experts).mean(0))  # (E, B, D) -> (B, D)
+
+
+# the experts' mesh (on 4 ranks, the others' is 1-D over all 4) and their shard dim
+EXPERT_CASES = {"hsdp_2x2": 0, "fsdp_2_dim1": 1}
+
+
+def _experts(case: str, use_torch: bool, as_mesh: bool = False) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as TorchResult
+
+    from fully_shard import ShardPlacementResult, fully_shard
+
+    shard, result = (torch_fully_shard, TorchResult) if use_torch else (fully_shard, ShardPlacementResult)
+    mesh = init_device_mesh(device_type(), (4,))
+    expert_mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("rep", "efsdp"))
+    # torch's own mesh infos, as torchtitan builds them, passed to both
+    hsdp = case == "hsdp_2x2"
+    info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0) if hsdp else FSDPMeshInfo(expert_mesh["efsdp"], 0)
+    if as_mesh:
+        info = info.mesh  # ours also takes the DeviceMesh itself
+    model = ExpertMLP()
+    shard(model, mesh=mesh, shard_placement_fn=lambda p: result(Shard(EXPERT_CASES[case]), info) if p is model.experts else None)
+    layout = [(n, [str(q) for q in p.placements], p.device_mesh.mesh.tolist()) for n, p in model.named_parameters()]
+    state = [(k, [str(q) for q in v.placements]) for k, v in model.state_dict().items()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()), device="cpu").to(device())
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        grads += [p.grad.full_tensor() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": [p.full_tensor() for p in model.parameters()], "layout": layout, "state": state}
+
+
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+def test_shard_placement_result_on_another_mesh_matches_torch_fsdp2(case: str) -> None:
+    ours = run_distributed(_experts, 4, case, False)
+    theirs = run_distributed(_experts, 4, case, True)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        # the experts live on their own mesh (the others on the 4-rank one), with torch's placements
+        assert a["layout"] == b["layout"] and a["state"] == b["state"], f"rank {rank}: {a['layout']} != torch's {b['layout']}"
+        assert a["layout"][0][0] == "experts" and a["layout"][1][2] == [0, 1, 2, 3], a["layout"]
+        assert a["layout"][0][2] == ([[0, 1], [2, 3]] if case == "hsdp_2x2" else [[0, 1], [2, 3]][rank // 2]), a["layout"]
+        # bitwise: the same layouts reduced with the same gloo ops over the same ranks
+        assert a["losses"] == b["losses"], f"rank {rank}: losses {a['losses']} != torch's {b['losses']}"
+        for p, q in zip(a["grads"] + a["params"], b["grads"] + b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+    if case == "fsdp_2_dim1":  # experts reduced within their 2 ranks only: the two pairs differ
+        assert not torch.equal(ours[0]["params"][0], ours[2]["params"][0])
+    for a, c in zip(ours, run_distributed(_experts, 4, case, False, True)):  # the mesh itself: the same program
+        assert a["losses"] == c["losses"] and a["layout"] == c["layout"]
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], c["params"]))
+
+
+def _expert_refusals() -> list[str]:
+    from fully_shard import ShardPlacementResult, fully_shard
+
+    expert_mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("rep", "efsdp"))["efsdp"]
+    messages = []
+    for info, reshard in ((expert_mesh, 2), ("efsdp", True)):
+        model = ExpertMLP()
+        try:
+            fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), info) if p is model.experts else None,
+                        reshard_after_forward=reshard)
+            messages.append("no error")
+        except (NotImplementedError, ValueError) as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_shard_placement_result_refusals() -> None:
+    with_int, no_mesh = run_distributed(_expert_refusals, 4)[0]
+    assert "'experts' is on a mesh of its own" in with_int and "reshard_after_forward=<int>" in with_int, with_int
+    assert "'experts'" in no_mesh and "holds no DeviceMesh" in no_mesh, no_mesh
