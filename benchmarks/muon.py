@@ -264,7 +264,7 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
     every rank from the layout, and ``torch.optim.Muon``'s collectives on the same layout."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fully_shard.optim.owned import _bucket, matrix_layout, newton_schulz_flops, owned_matrices_local
+    from fully_shard.optim.owned import _Plan, matrix_layout, newton_schulz_flops, owned_matrices_local
     from tests.collectives import CollectiveRecorder
 
     if dist.is_initialized():
@@ -285,7 +285,7 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
         with CollectiveRecorder() as rec:
             for _stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
                 result.zero_()  # the fake group moves no data; the transform is not the point here
-        _, buckets = _bucket(layouts, newton_schulz_flops)
+        buckets = _Plan(layouts, [t.shape for t in inputs], newton_schulz_flops).buckets
         predicted = predicted_sent_bytes(shapes, world)  # every rank, from the layout
         matrix_bytes = sum(s[0] * s[1] for s in shapes) * 2
         calls = _all_to_alls(rec)

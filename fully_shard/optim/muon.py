@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .owned import MatrixLayout, matrix_layout, newton_schulz_flops, owned_matrices_local
+from .owned import MatrixLayout, _Plan, _stacks, matrix_layout, newton_schulz_flops
 
 __all__ = ["Muon", "newton_schulz"]
 
@@ -150,6 +150,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
         self.batched = batched
         self._layouts: dict[torch.Tensor, MatrixLayout] = {}
+        # per set of parameters with gradients: the exchange plan, and positions by shape
+        self._plans: dict[tuple[int, ...], tuple[_Plan, dict[tuple[int, ...], list[int]]]] = {}
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -210,14 +212,14 @@ class Muon(torch.optim.Optimizer):
         _check_group_options(group)
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
         momentum, steps = group["momentum"], group["ns_steps"]
-        params, layouts, updates = [], [], []
+        params, grads, bufs = [], [], []
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             name = self._name(group, i, p)
             if p.grad.is_sparse:
                 raise RuntimeError(f"Muon does not support sparse gradients: parameter {name!r} has one")
-            layout = self._layout(p, name)
+            self._layout(p, name)
             grad = _local(p.grad)
             if grad.shape != _local(p).shape:
                 raise ValueError(
@@ -227,22 +229,33 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            buf = _local(state["momentum_buffer"])
-            buf.lerp_(grad, 1 - momentum)
             params.append(p)
-            layouts.append(layout)
-            updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
-        # Newton-Schulz starts by casting to bfloat16: cast before sending, half the bytes
-        outs = [torch.empty(u.shape, dtype=torch.bfloat16, device=u.device) for u in updates]
-        owned = owned_matrices_local(
-            layouts, updates, outs, comm_dtype=torch.bfloat16, cost=partial(newton_schulz_flops, steps=steps)
-        )
-        for stack, result in owned:
+            grads.append(grad)
+            bufs.append(_local(state["momentum_buffer"]))
+        if not params:
+            return
+        # where every matrix travels depends only on which parameters have gradients: planned once
+        key = tuple(map(id, params))
+        if key not in self._plans:
+            layouts = [self._layouts[p] for p in params]
+            cost = partial(newton_schulz_flops, steps=steps)
+            self._plans[key] = (_Plan(layouts, [g.shape for g in grads], cost), _stacks([lay.shape for lay in layouts]))
+        plan, by_shape = self._plans[key]
+        # 1. on the rows, as torch.optim.Muon's per-tensor calls (on CPU a foreach op runs the
+        # same per-tensor kernel on each tensor in turn: the same bits, fewer Python calls)
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        # 2-4. Newton-Schulz starts by casting to bfloat16: cast while packing the send buffers
+        exchange = plan.start([torch.bfloat16] * len(params), [torch.bfloat16] * len(params), grads[0].device)
+        torch._foreach_copy_(exchange.inputs, updates)
+        for stack, result in exchange.run():
             result.copy_(newton_schulz(stack, group["ns_coefficients"], steps, group["eps"], batched=self.batched))
-        for p, layout, out in zip(params, layouts, outs):
-            local = _local(p)
-            local.mul_(1 - lr * group["weight_decay"])
-            local.add_(out, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], layout.shape))
+        # 5. weight decay and the update, from the receive buffers straight into the rows
+        locals_ = [_local(p) for p in params]
+        torch._foreach_mul_(locals_, 1 - lr * group["weight_decay"])
+        for shape, pos in by_shape.items():  # the adjusted learning rate depends on the shape
+            alpha = -_adjusted_lr(lr, group["adjust_lr_fn"], shape)
+            torch._foreach_add_([locals_[j] for j in pos], [exchange.outputs[j] for j in pos], alpha=alpha)
 
 
 def _check_group_options(group: dict[str, Any]) -> None:

@@ -13,7 +13,12 @@ on every rank (and running the same transform ``W`` times), each matrix gets one
 Owners are chosen to balance the transform's cost (Newton-Schulz FLOPs by default)
 over the ranks. Tensors that need no communication (plain tensors, replicated DTensors,
 one-rank shard groups, and 3-D expert weights ``(E, M, N)`` sharded over experts, whose
-matrices each rank already holds whole) are handed to the caller as they are.
+matrices each rank already holds whole) are stacked by shape and handed to the caller.
+
+The buffers are laid out once per list of layouts (:class:`_Plan`): each rank's rows of a
+stack's matrices travel as one ``(B, rows, N)`` block, so assembling a stack costs one copy
+per rank, and the inputs and outputs are views of the send and receive buffers (``Muon``
+packs its momentum straight into them and updates its parameters straight from them).
 
 Rows follow ``torch.chunk`` (and ``DTensor``'s ``Shard(0)``): rank ``r`` of ``W`` holds rows
 ``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / W)``, so the last ranks may hold none.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,39 +136,155 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
     return owners
 
 
-@dataclass
-class _Bucket:
-    """The matrices sharded over one process group, and their owners."""
-
-    group: dist.ProcessGroup
-    world: int
-    rank: int
-    items: list[int]  # indices into the caller's lists, in their order
-    owners: list[int]  # owner rank per item
-
-
-def _bucket(layouts: Sequence[MatrixLayout], cost: Callable[[tuple[int, ...]], float]) -> tuple[list[int], list[_Bucket]]:
-    local: list[int] = []
-    by_group: dict[dist.ProcessGroup, list[int]] = {}
-    for i, layout in enumerate(layouts):
-        if layout.group is None:
-            local.append(i)
-        else:
-            by_group.setdefault(layout.group, []).append(i)
-    buckets = []
-    for group, items in by_group.items():
-        first = layouts[items[0]]
-        owners = assign_owners([cost(layouts[i].shape) for i in items], first.world)
-        buckets.append(_Bucket(group, first.world, first.rank, items, owners))
-    return local, buckets
-
-
-def _stacks(keys: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
+def _stacks(keys: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
     """Positions grouped by key, in first-seen order."""
     out: dict[tuple[int, ...], list[int]] = {}
     for pos, key in enumerate(keys):
         out.setdefault(key, []).append(pos)
     return out
+
+
+def _rows_numel(layout: MatrixLayout, rank: int) -> int:
+    start, end = layout.rows(rank)
+    return (end - start) * layout.shape[1]
+
+
+_Cost = Callable[[tuple[int, ...]], float]
+
+
+@dataclass
+class _Stack:
+    """Matrices of one ``(M, N)`` shape transformed together as one ``(B, M, N)`` stack."""
+
+    shape: tuple[int, ...]  # (M, N) of each matrix
+    items: list[int]  # the caller's indices, in stack order
+
+
+@dataclass
+class _Bucket:
+    """The matrices sharded over one process group, their owners, and where every rank's rows
+    of them sit in the two exchange buffers (one layout each way, see :class:`_Plan`)."""
+
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+    order: list[int]  # the caller's indices in buffer order: by owner rank, then the owner's stacks
+    numels: list[int]  # elements of this rank's rows of each, in that order
+    splits: list[int]  # per owner rank: elements of this rank's rows of its matrices
+    peer_splits: list[int]  # per rank: elements of its rows of the matrices this rank owns
+    mine: list[_Stack]  # the stacks this rank owns
+    pieces: list[list[tuple[int, int, int]]]  # per stack of mine, per rank: (offset in my buffer, start row, end row)
+
+
+def _plan_bucket(group: dist.ProcessGroup, layouts: Sequence[MatrixLayout], items: list[int], cost: _Cost) -> _Bucket:
+    world, rank = layouts[items[0]].world, layouts[items[0]].rank
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for i, owner in zip(items, assign_owners([cost(layouts[i].shape) for i in items], world)):
+        owned[owner].append(i)
+    stacks = [[_Stack(shape, [mine[p] for p in pos]) for shape, pos in _stacks([layouts[i].shape for i in mine]).items()]
+              for mine in owned]
+    order = [i for per_owner in stacks for stack in per_owner for i in stack.items]
+    numels = [_rows_numel(layouts[i], rank) for i in order]
+    splits, at = [], 0
+    for per_owner in stacks:
+        count = sum(len(stack.items) for stack in per_owner)
+        splits.append(sum(numels[at : at + count]))
+        at += count
+    # what this rank receives, rank by rank: that rank's rows of my stacks, in stack order
+    # (the same rows of a stack's matrices from one rank form one (B, rows, N) block)
+    mine = stacks[rank]
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in mine]
+    peer_splits, offset = [], 0
+    for peer in range(world):
+        begin = offset
+        for stack, where in zip(mine, pieces):
+            start, end = layouts[stack.items[0]].rows(peer)  # the same for every matrix of the stack
+            where.append((offset, start, end))
+            offset += len(stack.items) * (end - start) * stack.shape[1]
+        peer_splits.append(offset - begin)
+    return _Bucket(group, world, rank, order, numels, splits, peer_splits, mine, pieces)
+
+
+class _Plan:
+    """Where every matrix goes, computed once for a list of layouts (``Muon`` keeps it across
+    steps): the stacks of matrices held whole here, the buckets, their owners and split sizes.
+
+    Each bucket uses two flat buffers, each in one layout for both directions: this rank's rows
+    of every matrix, grouped by owner (what it sends, and where the results come back), and every
+    rank's rows of the matrices it owns (what it receives, and what it sends back)."""
+
+    def __init__(self, layouts: Sequence[MatrixLayout], local_shapes: Sequence[Sequence[int]], cost: _Cost) -> None:
+        self.shapes = [tuple(s) for s in local_shapes]  # this rank's part of each matrix
+        local: list[int] = []
+        by_group: dict[dist.ProcessGroup, list[int]] = {}
+        for i, layout in enumerate(layouts):
+            if layout.group is None:
+                local.append(i)
+            else:
+                by_group.setdefault(layout.group, []).append(i)
+        self.local = [_Stack(shape, [local[p] for p in pos])
+                      for shape, pos in _stacks([layouts[i].shape[-2:] for i in local]).items()]
+        self.buckets = [_plan_bucket(group, layouts, items, cost) for group, items in by_group.items()]
+
+    def start(self, dtypes: Sequence[torch.dtype], out_dtypes: Sequence[torch.dtype], device: torch.device) -> _Exchange:
+        """Buffers for one step: matrix ``i`` travels in ``dtypes[i]`` and its result in ``out_dtypes[i]``
+        (per bucket and stack: those of its first matrix)."""
+        return _Exchange(self, dtypes, out_dtypes, device)
+
+
+class _Exchange:
+    """One step's buffers. Write this rank's part of matrix ``i`` into ``inputs[i]``, run the
+    :meth:`run` loop to its end, and ``outputs[i]`` holds this rank's rows of its result."""
+
+    def __init__(self, plan: _Plan, dtypes: Sequence[torch.dtype], out_dtypes: Sequence[torch.dtype], device: torch.device) -> None:
+        self.plan = plan
+        self.inputs: list[torch.Tensor] = [torch.empty(0)] * len(plan.shapes)
+        self.outputs: list[torch.Tensor] = [torch.empty(0)] * len(plan.shapes)
+        self._local: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for stack in plan.local:  # (B, M, N): every matrix of this shape, whole
+            counts = [math.prod(plan.shapes[i][:-2]) for i in stack.items]
+            whole = torch.empty((sum(counts), *stack.shape), dtype=dtypes[stack.items[0]], device=device)
+            result = torch.empty(whole.shape, dtype=out_dtypes[stack.items[0]], device=device)
+            for i, part, out in zip(stack.items, whole.split(counts), result.split(counts)):
+                self.inputs[i], self.outputs[i] = part.view(plan.shapes[i]), out.view(plan.shapes[i])
+            self._local.append((whole, result))
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for bucket in plan.buckets:
+            dtype, out_dtype = dtypes[bucket.order[0]], out_dtypes[bucket.order[0]]
+            send = torch.empty(sum(bucket.splits), dtype=dtype, device=device)  # 1-D, this rank's rows by owner
+            recv = torch.empty(sum(bucket.peer_splits), dtype=dtype, device=device)  # 1-D, every rank's rows of mine
+            # the results reuse the buffers of the same layout when the dtype allows
+            back = send if out_dtype == dtype else torch.empty(send.shape, dtype=out_dtype, device=device)
+            sent = recv if out_dtype == dtype else torch.empty(recv.shape, dtype=out_dtype, device=device)
+            for i, part, out in zip(bucket.order, send.split(bucket.numels), back.split(bucket.numels)):
+                self.inputs[i], self.outputs[i] = part.view(plan.shapes[i]), out.view(plan.shapes[i])
+            self._buffers.append((send, recv, sent, back))
+
+    def run(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield ``(matrices, results)``: a ``(B, M, N)`` stack of whole matrices and a tensor of
+        its shape for the caller to fill; every rank of a shard group must run it to its end."""
+        # 1. send every matrix's rows to its owner: all buckets at once (waited one by one below),
+        # so the transfers run while the caller works on the local matrices and earlier buckets
+        pending = [_all_to_all(recv, send, b.peer_splits, b.splits, b.group)
+                   for b, (send, recv, _, _) in zip(self.plan.buckets, self._buffers)]
+        yield from self._local  # matrices already whole here: no communication
+        returns = []
+        for bucket, (_, recv, sent, back), work in zip(self.plan.buckets, self._buffers, pending):
+            work.wait()
+            # 2. assemble whole matrices from each rank's (B, rows, N) block, hand them to the caller
+            for stack, pieces in zip(bucket.mine, bucket.pieces):
+                count, cols = len(stack.items), stack.shape[1]
+                whole = torch.empty((count, *stack.shape), dtype=recv.dtype, device=recv.device)
+                for offset, start, end in pieces:
+                    whole[:, start:end].copy_(recv[offset : offset + count * (end - start) * cols].view(count, end - start, cols))
+                result = torch.empty(whole.shape, dtype=sent.dtype, device=sent.device)
+                yield whole, result
+                for offset, start, end in pieces:  # this stack's blocks only: the next ones are still to read
+                    sent[offset : offset + count * (end - start) * cols].view(count, end - start, cols).copy_(result[:, start:end])
+            # 3. send each rank its rows of the results I own (into the layout it sent from)
+            returns.append(_all_to_all(back, sent, bucket.splits, bucket.peer_splits, bucket.group))
+        for work in returns:
+            work.wait()
 
 
 def owned_matrices_local(
@@ -181,115 +303,19 @@ def owned_matrices_local(
     the outputs) for the caller to fill. When the loop ends each ``outputs[i]`` holds this
     rank's rows of its result. All ranks of a shard group must run the loop to its end.
     """
-    local, buckets = _bucket(layouts, cost or newton_schulz_flops)
-    # 1. send every matrix's rows to its owner: all buckets at once (waited one by one below),
-    # so the transfers run while the caller works on the local matrices and earlier buckets
-    pending = [_send_to_owners(b, layouts, inputs, comm_dtype) for b in buckets]
-
-    # matrices already whole here: stack by shape, no communication: stack by shape, no communication
-    if local:
-        mats = [inputs[i].reshape(-1, *inputs[i].shape[-2:]) for i in local]
-        for pos in _stacks([tuple(m.shape[1:]) for m in mats]).values():
-            stack = torch.cat([mats[p] for p in pos]) if len(pos) > 1 else mats[pos[0]]
-            if comm_dtype is not None:
-                stack = stack.to(comm_dtype)
-            result = torch.empty(stack.shape, dtype=outputs[local[pos[0]]].dtype, device=stack.device)
-            yield stack, result
-            offset = 0
-            for p in pos:
-                out, count = outputs[local[p]], mats[p].shape[0]
-                out.copy_(result[offset : offset + count].view(out.shape))
-                offset += count
-
-    returns = []
-    for bucket, (work, recv, recv_splits) in zip(buckets, pending):
-        if work is not None:
-            work.wait()
-        # 2. assemble whole matrices, stacked by shape, and hand them to the caller
-        mine = [k for k, owner in enumerate(bucket.owners) if owner == bucket.rank]
-        pieces = torch.split(recv, recv_splits)  # pieces[s]: rank s's rows of my matrices, in bucket order
-        starts = []  # starts[j][s]: where my j-th matrix's rows from rank s begin in pieces[s]
-        offsets = [0] * bucket.world
-        for k in mine:
-            layout = layouts[bucket.items[k]]
-            starts.append(list(offsets))
-            for s in range(bucket.world):
-                start, end = layout.rows(s)
-                offsets[s] += (end - start) * layout.shape[1]
-        shapes = [layouts[bucket.items[k]].shape for k in mine]
-        results: dict[int, torch.Tensor] = {}
-        for shape, pos in _stacks(shapes).items():  # pos: indices into mine
-            stack = torch.empty((len(pos), *shape), dtype=recv.dtype, device=recv.device)
-            for b, j in enumerate(pos):
-                layout = layouts[bucket.items[mine[j]]]
-                for s in range(bucket.world):
-                    start, end = layout.rows(s)
-                    piece = pieces[s][starts[j][s] : starts[j][s] + (end - start) * shape[1]]
-                    stack[b, start:end].copy_(piece.view(end - start, shape[1]))
-            out_dtype = outputs[bucket.items[mine[pos[0]]]].dtype
-            result = torch.empty(stack.shape, dtype=out_dtype, device=stack.device)
-            yield stack, result
-            for b, p in enumerate(pos):
-                results[mine[p]] = result[b]
-        # 3. send each rank its rows of the results I own
-        returns.append(_send_back(bucket, layouts, outputs, mine, results))
-    for bucket, (work, recv, recv_splits) in zip(buckets, returns):
-        if work is not None:
-            work.wait()
-        pieces = torch.split(recv, recv_splits)
-        offsets = [0] * bucket.world
-        for k, owner in enumerate(bucket.owners):
-            out = outputs[bucket.items[k]]
-            n = out.numel()
-            out.copy_(pieces[owner][offsets[owner] : offsets[owner] + n].view(out.shape))
-            offsets[owner] += n
+    if not inputs:
+        return
+    plan = _Plan(layouts, [t.shape for t in inputs], cost or newton_schulz_flops)
+    exchange = plan.start([comm_dtype or t.dtype for t in inputs], [t.dtype for t in outputs], inputs[0].device)
+    torch._foreach_copy_(exchange.inputs, list(inputs))  # into the send buffers (cast to comm_dtype)
+    yield from exchange.run()
+    torch._foreach_copy_(list(outputs), exchange.outputs)
 
 
-def _all_to_all(
-    send: list[list[torch.Tensor]], recv_splits: list[int], group: dist.ProcessGroup, like: torch.Tensor, dtype: torch.dtype
-) -> tuple[dist.Work | None, torch.Tensor, list[int]]:
-    flat = [t.reshape(-1).to(dtype) for per_rank in send for t in per_rank]
-    send_buf = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=like.device)
-    recv_buf = torch.empty(sum(recv_splits), dtype=dtype, device=like.device)
-    send_splits = [sum(t.numel() for t in per_rank) for per_rank in send]
-    work = dist.all_to_all_single(recv_buf, send_buf, recv_splits, send_splits, group=group, async_op=True)
-    return work, recv_buf, recv_splits
-
-
-def _send_to_owners(
-    bucket: _Bucket, layouts: Sequence[MatrixLayout], inputs: Sequence[torch.Tensor], comm_dtype: torch.dtype | None
-) -> tuple[dist.Work | None, torch.Tensor, list[int]]:
-    send: list[list[torch.Tensor]] = [[] for _ in range(bucket.world)]
-    recv_splits = [0] * bucket.world
-    for k, i in enumerate(bucket.items):
-        owner = bucket.owners[k]
-        send[owner].append(inputs[i])
-        if owner == bucket.rank:
-            for s in range(bucket.world):
-                start, end = layouts[i].rows(s)
-                recv_splits[s] += (end - start) * layouts[i].shape[1]
-    like = inputs[bucket.items[0]]
-    return _all_to_all(send, recv_splits, bucket.group, like, comm_dtype or like.dtype)
-
-
-def _send_back(
-    bucket: _Bucket,
-    layouts: Sequence[MatrixLayout],
-    outputs: Sequence[torch.Tensor],
-    mine: list[int],
-    results: dict[int, torch.Tensor],
-) -> tuple[dist.Work | None, torch.Tensor, list[int]]:
-    send: list[list[torch.Tensor]] = [[] for _ in range(bucket.world)]
-    for k in mine:
-        layout = layouts[bucket.items[k]]
-        for s in range(bucket.world):
-            start, end = layout.rows(s)
-            send[s].append(results[k][start:end])
-    recv_splits = [0] * bucket.world
-    for k, owner in enumerate(bucket.owners):
-        recv_splits[owner] += outputs[bucket.items[k]].numel()
-    like = outputs[bucket.items[0]]
-    return _all_to_all(send, recv_splits, bucket.group, like, like.dtype)
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Any) -> dist.Work:
+    work: dist.Work | None = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+    assert work is not None  # async_op=True
+    return work
 
 
 def owned_matrices(
