@@ -135,6 +135,7 @@ def muon_region() -> str:
             f"({_ms(ours['step_s'])}). The all-gather alternative took {_ms(res['all_gather_s'])} against "
             f"{_ms(res['all_to_all_raw_s'])} for the bare all-to-alls. Newton-Schulz FLOPs on the busiest rank: "
             f"{res['ns_flops']['max_per_rank'] / 1e6:.0f} M, total / W {res['ns_flops']['ideal_per_rank'] / 1e6:.0f} M."
+            + (_muon_paired(res, world) if "paired" in res else "")
         )
     sim = muon.get("simulation") or {}
     for p in sim.get("points") or []:
@@ -154,6 +155,17 @@ def muon_region() -> str:
             f"{torch_part}."
         )
     return "\n\n".join(out)
+
+
+def _muon_paired(res: dict, world: int) -> str:
+    """The round-by-round and CPU-time checks of the goal (results since they were added)."""
+    pw, pc = res["paired"]["wall"], res["paired"]["cpu"]
+    unsharded, ours = res["impls"]["unsharded"], res["impls"]["fully_shard.optim.Muon"]
+    cpu_goal = 1.2 * unsharded["cpu_s"] / world + res["all_to_all_cpu_s"]
+    return (f" Round by round: ours / goal median {pw['median_ratio']:.2f}, met in {pw['rounds_met']} of "
+            f"{pw['rounds']} rounds. On CPU time: ours {ours['cpu_s'] * 1e3:.1f} ms against 1.2 x "
+            f"{unsharded['cpu_s'] * 1e3:.1f} ms / {world} + {res['all_to_all_cpu_s'] * 1e3:.1f} ms = "
+            f"{cpu_goal * 1e3:.1f} ms (paired median {pc['median_ratio']:.2f}, met in {pc['rounds_met']} of {pc['rounds']}).")
 
 
 def muon_allgather_region() -> str:
