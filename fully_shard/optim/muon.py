@@ -212,24 +212,25 @@ class Muon(torch.optim.Optimizer):
         _check_group_options(group)
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
         momentum, steps = group["momentum"], group["ns_steps"]
-        params, grads, bufs = [], [], []
+        params, locals_, grads, bufs = [], [], [], []
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            name = self._name(group, i, p)
             if p.grad.is_sparse:
-                raise RuntimeError(f"Muon does not support sparse gradients: parameter {name!r} has one")
-            self._layout(p, name)
-            grad = _local(p.grad)
-            if grad.shape != _local(p).shape:
+                raise RuntimeError(f"Muon does not support sparse gradients: parameter {self._name(group, i, p)!r} has one")
+            if p not in self._layouts:
+                self._layout(p, self._name(group, i, p))
+            grad, local = _local(p.grad), _local(p)
+            if grad.shape != local.shape:
                 raise ValueError(
-                    f"Muon: the gradient of {name!r} is laid out as {tuple(grad.shape)} on this rank but the "
-                    f"parameter as {tuple(_local(p).shape)}; give gradients the parameter's placements"
+                    f"Muon: the gradient of {self._name(group, i, p)!r} is laid out as {tuple(grad.shape)} on this "
+                    f"rank but the parameter as {tuple(local.shape)}; give gradients the parameter's placements"
                 )
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             params.append(p)
+            locals_.append(local)
             grads.append(grad)
             bufs.append(_local(state["momentum_buffer"]))
         if not params:
@@ -251,7 +252,6 @@ class Muon(torch.optim.Optimizer):
         for stack, result in exchange.run():
             result.copy_(newton_schulz(stack, group["ns_coefficients"], steps, group["eps"], batched=self.batched))
         # 5. weight decay and the update, from the receive buffers straight into the rows
-        locals_ = [_local(p) for p in params]
         torch._foreach_mul_(locals_, 1 - lr * group["weight_decay"])
         for shape, pos in by_shape.items():  # the adjusted learning rate depends on the shape
             alpha = -_adjusted_lr(lr, group["adjust_lr_fn"], shape)

@@ -256,8 +256,10 @@ class _Exchange:
             # the results reuse the buffers of the same layout when the dtype allows
             back = send if out_dtype == dtype else torch.empty(send.shape, dtype=out_dtype, device=device)
             sent = recv if out_dtype == dtype else torch.empty(recv.shape, dtype=out_dtype, device=device)
-            for i, part, out in zip(bucket.order, send.split(bucket.numels), back.split(bucket.numels)):
-                self.inputs[i], self.outputs[i] = part.view(plan.shapes[i]), out.view(plan.shapes[i])
+            ins = [part.view(plan.shapes[i]) for i, part in zip(bucket.order, send.split(bucket.numels))]
+            outs = ins if back is send else [out.view(plan.shapes[i]) for i, out in zip(bucket.order, back.split(bucket.numels))]
+            for i, part, out in zip(bucket.order, ins, outs):
+                self.inputs[i], self.outputs[i] = part, out
             self._buffers.append((send, recv, sent, back))
 
     def run(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
