@@ -2,7 +2,7 @@
 
 Benchmarks fully_shard against torch's FSDP2, DDP and one unsharded process on CPU/gloo at
 world size 2, the Muon optimizer step (benchmarks/muon.py) at world 2 and 4, the framework
-overhead at world size 1 (benchmarks/overhead.py: plain model / fully_shard / torch FSDP2), then simulates
+overhead at world size 1 and on 2 ranks (benchmarks/overhead.py: plain model / fully_shard / torch FSDP2), then simulates
 8..1024 ranks in one process (fake process group + meta device). Writes
 ``<out>/<yyyy-mm-dd>-<machine>.md`` and ``.json`` (and PNG plots when matplotlib is
 installed). See docs/benchmarks.md.
@@ -105,7 +105,8 @@ def _environment(args: argparse.Namespace, machine: str) -> dict[str, Any]:
         "platform": platform.platform(),
         "commit": commit,
         "command": "python3 -m benchmarks" + (" --quick" if args.quick else "") + "".join(
-            f" --skip-{name}" for name in ("steps", "muon", "overhead", "sim") if getattr(args, f"skip_{name}")),
+            f" --skip-{name}" for name in ("steps", "muon", "overhead", "overhead-2rank", "sim")
+            if getattr(args, f"skip_{name.replace('-', '_')}")),
     }
 
 
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-steps", action="store_true", help="skip the 2-rank jobs")
     parser.add_argument("--skip-muon", action="store_true", help="skip the Muon optimizer table")
     parser.add_argument("--skip-overhead", action="store_true",
-                        help="skip the world-size-1 overhead table (plain / fully_shard / torch FSDP2)")
+                        help="skip the overhead tables (plain / fully_shard / torch FSDP2; world size 1 and 2 ranks)")
+    parser.add_argument("--skip-overhead-2rank", action="store_true",
+                        help="keep the world-size-1 overhead table, skip its 2-rank run")
     args = parser.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_overhead:
         from . import overhead
 
-        results["overhead"] = overhead.run(args.quick, _log)
+        results["overhead"] = overhead.run(args.quick, _log, two_ranks=not args.skip_overhead_2rank)
 
     if not args.skip_sim:
         from .simulate import run_simulation
@@ -210,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [c["name"] for c in results["configs"] if c.get("error")]
     failed += [f"muon-{m['world']}" for m in results.get("muon", {}).get("steps", []) if m.get("error")]
     failed += ["overhead"] if results.get("overhead", {}).get("error") else []
+    failed += ["overhead-2rank"] if results.get("overhead", {}).get("two_ranks", {}).get("error") else []
     return 1 if failed else 0
 
 

@@ -270,8 +270,8 @@ class ParamGroup:
         with streams.use("reduce_scatter"):
             for bucket in _buckets(with_grad, lambda p: p.reduce_dtype):  # one per reduce dtype
                 reductions.append((self._reduce_scatter(bucket, grads), bucket))
-        # the gradients are read on the reduce-scatter stream: held until it is done with them
-        return PendingReduce(self, reductions, self.requires_all_reduce, list(grads.values()))
+        # streams: the gradients are read on the reduce-scatter stream, held until its wait; without, packed already: freed
+        return PendingReduce(self, reductions, self.requires_all_reduce, list(grads.values()) if streams.backend is not None else [])
 
     def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[int, torch.Tensor]) -> comm.ReduceScatterWork:
         info = bucket[0].mesh_info

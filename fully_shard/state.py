@@ -484,10 +484,10 @@ class FSDPState:
             ctx.queue_finalize()
             group = self.group
             if group is not None:
+                if group.reshard_after_backward:
+                    group.reshard()  # first: the full parameters are freed before the reduce-scatter buffers exist
                 with torch.no_grad():
                     pending = group.reduce_grads()
-                if group.reshard_after_backward:
-                    group.reshard()
                 if pending is not None:
                     ctx.finish_reduce()  # the previous group's, issued one group ago
                     ctx.pending_reduce = pending

@@ -9,6 +9,7 @@ directories come from pytest's ``tmp_path``; the ranks share the file system.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -621,6 +622,41 @@ def _clip(kind: str, impl: str, per_mesh: bool = False, max_norm: float = 0.5) -
 )
 def test_clip_grad_norm_matches_unsharded(kind: str, world_size: int) -> None:
     assert run_distributed(_clip, world_size, kind, "ours") == [None] * world_size
+
+
+def _clip_equals_torch(kind: str, norm_type: float) -> None:
+    """fully_shard.clip_grad_norm_ against torch's over the same DTensor gradients (torch
+    FSDP2's): the total norm and every clipped gradient bitwise equal. Equal by construction:
+    the same foreach norm over the same local shards, the same reduction of the stacked partial
+    norms (p-th power, all-reduce sum, 1/p-th power), the same vector norm of them and the same
+    multiply by the same coefficient; only DTensor's dispatch is skipped. The infinity norm
+    against torch's over the full gradients as plain tensors (torch's own over DTensors fails
+    on a rank whose shard of a parameter is empty): a max is exact in any order."""
+    model = _build("torch", kind)
+    x = batch(0, dist.get_rank(), ARGS)
+    loss_fn(model(x), x).backward()
+    twins = []  # the same gradients on parameters of their own, for torch's function
+    for p in model.parameters():
+        twin = nn.Parameter(p.detach().clone())
+        twin.grad = p.grad.full_tensor() if math.isinf(norm_type) else p.grad.clone()
+        twins.append(twin)
+    ref = torch.nn.utils.clip_grad_norm_(twins, 0.1, norm_type)
+    ref = ref.full_tensor() if isinstance(ref, DTensor) else ref
+    assert ref > 0.2, ref  # the test clips for real
+    norm = fully_shard_lib.clip_grad_norm_(model.parameters(), 0.1, norm_type)
+    assert not isinstance(norm, DTensor) and torch.equal(norm, ref), (norm, ref)
+    for p, twin in zip(model.parameters(), twins):
+        want = twin.grad.to_local() if isinstance(twin.grad, DTensor) else twin.grad
+        assert torch.equal(p.grad.full_tensor() if math.isinf(norm_type) else p.grad.to_local(), want), p.shape
+
+
+@pytest.mark.parametrize(
+    "kind, world_size, norm_type",
+    [("fsdp", 2, 2.0), ("fsdp", 4, 2.0), ("hsdp", 4, 2.0), ("fsdp", 2, float("inf")), ("fsdp", 2, 1.0)],
+    ids=["fsdp-2", "fsdp-4", "hsdp-2x2", "fsdp-2-inf", "fsdp-2-l1"],
+)
+def test_clip_grad_norm_equals_torchs_on_torch_fsdp2_gradients(kind: str, world_size: int, norm_type: float) -> None:
+    run_distributed(_clip_equals_torch, world_size, kind, norm_type)
 
 
 def test_clip_grad_norm_fsdp_x_tp_behaves_like_torch_fsdp2() -> None:

@@ -9,10 +9,11 @@ from the previous one) as ``state.py``, ``group.py`` and ``comm.py`` allocate an
   it is waited, and freed after the group's forward unless it keeps them
   (``reshard_after_forward``; the root keeps its parameters by default);
 * backward: groups run in reverse, each prefetching the one before it; a group's
-  unsharded gradients (compute dtype) live until its post-backward, which packs them into
-  the reduce-scatter input (N times the padded slots, cast to the reduce dtype on the way),
-  frees the unsharded parameters, and only then finishes the *previous* group's
-  reduce-scatter: one group's reduction, with its gradients, stays in flight;
+  unsharded gradients (compute dtype) live until its post-backward, which frees the
+  unsharded parameters, packs the gradients into the reduce-scatter input (N times the
+  padded slots, cast to the reduce dtype on the way), and only then finishes the
+  *previous* group's reduce-scatter: one group's reduction stays in flight (on a device
+  with streams with the gradients it read, on the CPU without);
 * the sharded gradients are views of the reduce-scatter output when its dtype is the
   parameter's (padded slots), else copies (this rank's rows).
 
@@ -215,12 +216,14 @@ class Replay:
         self.needs_post_backward[id(n)] = False
         self.t.free("act", "activations", n.name)  # all read by now
         self.t.free("act", "recomputed", n.name)
+        self.reshard(n, post_forward=False)  # before the reduce-scatter buffers exist
         if n.ugrad:
-            # the reduce-scatter input is packed (and cast) straight from the gradients
+            # the reduce-scatter input is packed (and cast) straight from the gradients, which
+            # without streams go at once (with them: read on the side stream, held until its wait)
             self.t.alloc("grad", "reduce-scatter input", n.name, n.rs_in)
             self.t.alloc("grad", "reduce-scatter output", n.name, n.rs_in // self.shard)
-        self.reshard(n, post_forward=False)
-        if n.ugrad:
+            if not self.streams:
+                self.t.free("grad", "unsharded grad", n.name)
             self.finish_reduce()
             self.pending = n
 
