@@ -231,7 +231,7 @@ def all_gather(
     custom: Any = None,
     label: str = "",
 ) -> CollectiveWork:
-    """Pack ``shards`` (each padded to its ``shard_numels`` entry) into this rank's slot
+    """Pack ``shards`` (1-D, each padded to its ``shard_numels`` entry) into this rank's slot
     (``rank`` in ``group``) of the output and all-gather in place.
 
     The padding of each slot is left uninitialised: it is copied out into padding rows
@@ -240,9 +240,9 @@ def all_gather(
     total = sum(shard_numels)
     out = _buffer(custom, total * world_size, dtype, device)
     inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
-    slots = [flat[: s.numel()] for flat, s in zip(torch.split(inp, shard_numels), shards)]
-    if slots:
-        torch._foreach_copy_(slots, [s.reshape(-1) for s in shards])
+    if shards:  # one split into (shard, padding) pieces, one copy into the shard pieces
+        sizes = [n for s, slot in zip(shards, shard_numels) for n in (s.numel(), slot - s.numel())]
+        torch._foreach_copy_(inp.split_with_sizes(sizes)[::2], shards)
     if world_size == 1:
         return CollectiveWork(None, inp, out, world_size, what)
     if custom is not None:
@@ -256,20 +256,18 @@ def all_gather(
 def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
     """Copy a gathered flat output into each parameter's unsharded buffer.
 
-    ``dests[i]`` is either a 1-D buffer of ``world_size * shard_numels[i]`` elements, row
-    ``r`` of whose ``(world_size, shard_numel)`` view receives rank ``r``'s slot, or a
-    ``(world_size, ...)`` strided view (a shard dim other than 0) whose entry ``r`` does.
+    ``dests[i]`` is a ``(world_size, ...)`` view whose entry ``r`` receives rank ``r``'s slot:
+    2-D and contiguous, ``(world_size, shard_numels[i])``, or strided (a shard dim other than 0).
     """
     gathered = output.view(world_size, -1)  # (world_size, sum of slots), rank-major
     # The destinations alias parameters that autograd may have saved for backward:
     # refilling them is not a modification autograd must see.
     with torch.autograd._unsafe_preserve_version_counter(tuple(dests)):
-        if all(d.dim() == 1 for d in dests):
-            outs = [d.view(world_size, -1) for d in dests]
-            torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=outs)
+        if all(d.dim() == 2 for d in dests):  # a strided view has a dim more than its parameter
+            torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=list(dests))
             return
         for dest, block in zip(dests, torch.split(gathered, shard_numels, dim=1)):
-            dest.copy_(block.reshape(dest.shape) if dest.dim() > 1 else block.reshape(-1))
+            dest.copy_(block.reshape(dest.shape))
 
 
 def divide_factors(
@@ -323,10 +321,9 @@ def reduce_scatter(
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=inp)
     if pre is not None and pre != 1:
         inp.div_(pre)
+    if world_size == 1:  # the reduce-scatter of one rank is its input
+        return ReduceScatterWork(None, inp, inp.view(-1), world_size, what, None, post, op)
     out = _buffer(custom, cols, dtype, device)
-    if world_size == 1:
-        out.copy_(inp.view(-1))
-        return ReduceScatterWork(None, inp, out, world_size, what, None, post, op)
     flat = inp.view(-1)
     work, event = _issue(
         "reduce_scatter",

@@ -134,7 +134,7 @@ class ParamGroup:
                 p.post_forward_slice = None  # packed into the all-gather input
             return works
         what = f"all-gather of {self.label}'s parameters"
-        works = [gather([p.local_shard for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what) for b in self._gather_buckets]
+        works = [gather([p.flat_shard() for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what) for b in self._gather_buckets]
         if self._ext:
             inputs, self._ext_slots = [], []
             for p in self._ext:
@@ -160,7 +160,8 @@ class ParamGroup:
         if self._ext:
             work = self._all_gathers[-1]
             output = work.wait()
-            comm.copy_out(output, work.world_size, self._ext_slots, [d for p in self._ext for d in p.ext_gather_dests()])
+            world = work.world_size
+            comm.copy_out(output, world, self._ext_slots, [d.view(world, -1) for p in self._ext for d in p.ext_gather_dests()])
             for p in self._ext:
                 p.ext_post_all_gather()
                 p.note_unsharded_version()

@@ -18,7 +18,6 @@ same. Tests pass a recording double to ``Streams`` (``Backend``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import torch
@@ -90,14 +89,9 @@ class Streams:
     def current(self) -> Any:
         return self.backend.current_stream(self.device) if self.backend is not None else None
 
-    @contextlib.contextmanager
-    def use(self, name: str) -> Iterator[None]:
+    def use(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """Make the named side stream current (no-op without streams)."""
-        if self.backend is None:
-            yield
-            return
-        with self.backend.use(getattr(self, name)):
-            yield
+        return contextlib.nullcontext() if self.backend is None else self.backend.use(getattr(self, name))
 
     def wait_for_current(self, name: str) -> None:
         """The named side stream waits for the work queued so far on the current stream."""
