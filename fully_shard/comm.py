@@ -169,12 +169,13 @@ class CollectiveWork:
 
     work: dist.Work | None
     input: torch.Tensor | None  # all-gather: 1-D, this rank's packed shards, a view of its slot in output
-    output: torch.Tensor  # all-gather: 1-D, world_size * input.numel(), rank-major
+    output: torch.Tensor | None  # all-gather: 1-D, world_size * input.numel(), rank-major; None over one rank
     world_size: int
     what: str  # for error messages
     event: CollectiveEvent | None = None
+    shards: list[torch.Tensor] | None = None  # an all-gather over one rank: its output would be these, packed
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> torch.Tensor | None:
         if self.work is not None:
             _wait(self.work, self.what)
             self.work = None
@@ -194,7 +195,9 @@ class ReduceScatterWork(CollectiveWork):
 
     def wait(self) -> torch.Tensor:
         self.input = None
-        return super().wait()
+        output = super().wait()
+        assert output is not None
+        return output
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str, label: str = "") -> None:
@@ -235,16 +238,19 @@ def all_gather(
     (``rank`` in ``group``) of the output and all-gather in place.
 
     The padding of each slot is left uninitialised: it is copied out into padding rows
-    of the unsharded buffers, which no user ever sees.
+    of the unsharded buffers, which no user ever sees. Over one rank the output would be the
+    packed shards themselves: nothing is packed, and ``copy_out`` copies the shards.
     """
+    if world_size == 1:
+        return CollectiveWork(None, None, None, world_size, what, shards=shards)
     total = sum(shard_numels)
     out = _buffer(custom, total * world_size, dtype, device)
     inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
-    if shards:  # one split into (shard, padding) pieces, one copy into the shard pieces
+    if all(s.numel() == n and s.dtype == dtype and s.device == inp.device for s, n in zip(shards, shard_numels)):
+        torch.cat(shards, out=inp)  # no padding, no cast: one op
+    else:  # one split into (shard, padding) pieces, one copy into the shard pieces
         sizes = [n for s, slot in zip(shards, shard_numels) for n in (s.numel(), slot - s.numel())]
         torch._foreach_copy_(inp.split_with_sizes(sizes)[::2], shards)
-    if world_size == 1:
-        return CollectiveWork(None, inp, out, world_size, what)
     if custom is not None:
         call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=async_op)  # noqa: E731
     else:
@@ -253,21 +259,27 @@ def all_gather(
     return CollectiveWork(work, inp, out, world_size, what, event)
 
 
-def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
-    """Copy a gathered flat output into each parameter's unsharded buffer.
+def copy_out(work: CollectiveWork, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
+    """Wait for an all-gather, then copy its flat output into each parameter's unsharded buffer.
 
     ``dests[i]`` is a ``(world_size, ...)`` view whose entry ``r`` receives rank ``r``'s slot:
     2-D and contiguous, ``(world_size, shard_numels[i])``, or strided (a shard dim other than 0).
+    Over one rank (no padding then) the shards themselves are copied.
     """
-    gathered = output.view(world_size, -1)  # (world_size, sum of slots), rank-major
+    output, world_size = work.wait(), work.world_size
     # The destinations alias parameters that autograd may have saved for backward:
-    # refilling them is not a modification autograd must see.
-    with torch.autograd._unsafe_preserve_version_counter(tuple(dests)):
-        if all(d.dim() == 2 for d in dests):  # a strided view has a dim more than its parameter
-            torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=list(dests))
-            return
-        for dest, block in zip(dests, torch.split(gathered, shard_numels, dim=1)):
+    # refilling them is not a modification autograd must see (their versions are put back).
+    versions = tuple(d._version for d in dests)
+    if output is None:
+        assert work.shards is not None
+        torch._foreach_copy_([d if d.dim() == 2 else d.view(1, -1) for d in dests], work.shards)
+    elif all(d.dim() == 2 for d in dests):  # a strided view has a dim more than its parameter
+        gathered = output.view(world_size, -1)  # (world_size, sum of slots), rank-major
+        torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=list(dests))
+    else:
+        for dest, block in zip(dests, torch.split(output.view(world_size, -1), shard_numels, dim=1)):
             dest.copy_(block.reshape(dest.shape))
+    torch._C._autograd._unsafe_set_version_counter(tuple(dests), versions)
 
 
 def divide_factors(
@@ -322,7 +334,7 @@ def reduce_scatter(
     if pre is not None and pre != 1:
         inp.div_(pre)
     if world_size == 1:  # the reduce-scatter of one rank is its input
-        return ReduceScatterWork(None, inp, inp.view(-1), world_size, what, None, post, op)
+        return ReduceScatterWork(None, inp, inp.view(-1), world_size, what, post_divide=post, all_reduce_op=op)
     out = _buffer(custom, cols, dtype, device)
     flat = inp.view(-1)
     work, event = _issue(
@@ -335,4 +347,4 @@ def reduce_scatter(
         else (lambda: getattr(dist, _REDUCE_SCATTER)(out, flat, op=op, group=group, async_op=async_op)),
         label,
     )
-    return ReduceScatterWork(work, inp, out, world_size, what, event, post, op)
+    return ReduceScatterWork(work, inp, out, world_size, what, event, post_divide=post, all_reduce_op=op)

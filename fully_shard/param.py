@@ -326,8 +326,10 @@ class ShardedParam:
         self.adopt(current, "replacing a sharded parameter before the first forward")  # type: ignore[arg-type]
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter."""
-        return DTensor(local, self._spec, requires_grad=False)
+        """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter.
+        ``__new__`` alone makes the whole DTensor (as DTensor's own ops do); ``DTensor.__init__``
+        adds only an export-tracing wrapper that would double the cost of every gradient."""
+        return DTensor.__new__(DTensor, local, self._spec, requires_grad=False)
 
     def check_materialized(self) -> None:
         if self.local_shard.is_meta:
@@ -487,18 +489,24 @@ class ShardedParam:
         d, size, world = self.shard_dim, self.size, self.mesh_info.shard_size
         return grad.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
 
-    def accumulate_sharded_grad(self, flat: torch.Tensor) -> None:
-        """Add this rank's reduced slot (1-D, padded) to the sharded gradient (or set it)."""
-        if self.shard_dim == 0:
-            local = flat.view(self.chunk_rows, *self.size[1:])[: self.local_rows]
-        else:
-            local = flat.view(self.local_shape)
-        local = local.to(device=self.shard_device, dtype=self.dtype)
-        grad = self.sharded_param.grad
+
+def accumulate_sharded_grads(params: list[ShardedParam], flat: torch.Tensor) -> None:
+    """Add each parameter's reduced slot of ``flat`` (1-D: the padded slots in order; its
+    rows lead each slot) to its sharded gradient, or set it: one split, one foreach add."""
+    sizes = [n for p in params for n in (p.local_shape.numel(), p.shard_numel - p.local_shape.numel())]
+    adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for p, part in zip(params, flat.split_with_sizes(sizes)[::2]):
+        local = part.view(p.local_shape)
+        if p.dtype != flat.dtype or p.shard_device != flat.device:
+            local = local.to(device=p.shard_device, dtype=p.dtype)
+        grad = p.sharded_param.grad
         if grad is None:
-            self.sharded_param.grad = self.to_sharded_dtensor(local)
+            p.sharded_param.grad = p.to_sharded_dtensor(local)
         else:
-            cast(DTensor, grad)._local_tensor.add_(local)
+            adds[0].append(cast(DTensor, grad)._local_tensor)
+            adds[1].append(local)
+    if adds[0]:
+        torch._foreach_add_(*adds)
 
 
 def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
