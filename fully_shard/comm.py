@@ -246,11 +246,9 @@ def all_gather(
     total = sum(shard_numels)
     out = _buffer(custom, total * world_size, dtype, device)
     inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
-    if all(s.numel() == n and s.dtype == dtype and s.device == inp.device for s, n in zip(shards, shard_numels)):
-        torch.cat(shards, out=inp)  # no padding, no cast: one op
-    else:  # one split into (shard, padding) pieces, one copy into the shard pieces
-        sizes = [n for s, slot in zip(shards, shard_numels) for n in (s.numel(), slot - s.numel())]
-        torch._foreach_copy_(inp.split_with_sizes(sizes)[::2], shards)
+    # one split into (shard, padding) pieces, one copy into the shard pieces
+    sizes = [n for s, slot in zip(shards, shard_numels) for n in (s.numel(), slot - s.numel())]
+    torch._foreach_copy_(inp.split_with_sizes(sizes)[::2], shards)
     if custom is not None:
         call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=async_op)  # noqa: E731
     else:

@@ -187,7 +187,7 @@ class ShardedParam:
             requires_grad=param.requires_grad,
         )
         self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
-        self._storage: torch.UntypedStorage | None = None  # ... its storage, resized in place
+        self._storage: tuple[torch.UntypedStorage, int] | None = None  # ... its storage, resized in place; full bytes
         self._gather_out: torch.Tensor | None = None  # (N, ...) view of it that the all-gather's copy-out fills
         self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (local shard, its 1-D view)
         self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
@@ -260,7 +260,7 @@ class ShardedParam:
     @property
     def local_shard(self) -> torch.Tensor:
         """This rank's part (read afresh: ``to_empty``/``load_state_dict`` may swap it)."""
-        return cast(DTensor, self.sharded_param)._local_tensor
+        return self.sharded_param._local_tensor  # type: ignore[attr-defined, no-any-return]
 
     def flat_shard(self) -> torch.Tensor:
         """This rank's part, 1-D: the all-gather input. The view is kept while the local
@@ -350,17 +350,16 @@ class ShardedParam:
         """Give the unsharded buffer its storage back (allocated on first use)."""
         if self._padded_unsharded is None:
             self._padded_unsharded = torch.empty(self.unsharded_numel, dtype=self.unsharded_dtype, device=self.device)
-            self._storage, self._gather_out = self._padded_unsharded.untyped_storage(), None
+            self._storage = (self._padded_unsharded.untyped_storage(), self._padded_unsharded.untyped_storage().nbytes())
+            self._gather_out = None
             data = self._padded_unsharded.view(self.padded_shape)[: self.size[0]]
             if self.tp_spec is not None:
                 data = DTensor(data, self.tp_spec, requires_grad=False)
             self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
             return
-        assert self._storage is not None
-        nbytes = self._padded_unsharded.numel() * self._padded_unsharded.element_size()
-        if self._storage.size() != nbytes:
-            self._storage.resize_(nbytes)
-        assert self.unsharded_param is not None
+        assert self._storage is not None and self.unsharded_param is not None
+        if self._storage[0].nbytes() != self._storage[1]:
+            self._storage[0].resize_(self._storage[1])
         self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
 
     def gather_dest(self, world: int) -> torch.Tensor:
@@ -400,7 +399,7 @@ class ShardedParam:
         """Release the unsharded storage; the tensor objects stay, so autograd's saved
         references see the data again after the next all-gather."""
         if self._storage is not None:
-            self._storage.resize_(0)
+            self._storage[0].resize_(0)
         for t in (self._ext_outputs or []) + self._ext_inner:
             t.untyped_storage().resize_(0)
 
