@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -173,7 +173,7 @@ class CollectiveWork:
     world_size: int
     what: str  # for error messages
     event: CollectiveEvent | None = None
-    shards: list[torch.Tensor] | None = None  # an all-gather over one rank: its output would be these, packed
+    shards: tuple[torch.Tensor, ...] = ()  # an all-gather over one rank: its output would be these, packed
 
     def wait(self) -> torch.Tensor | None:
         if self.work is not None:
@@ -195,9 +195,7 @@ class ReduceScatterWork(CollectiveWork):
 
     def wait(self) -> torch.Tensor:
         self.input = None
-        output = super().wait()
-        assert output is not None
-        return output
+        return cast(torch.Tensor, super().wait())
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str, label: str = "") -> None:
@@ -242,7 +240,7 @@ def all_gather(
     packed shards themselves: nothing is packed, and ``copy_out`` copies the shards.
     """
     if world_size == 1:
-        return CollectiveWork(None, None, None, world_size, what, shards=shards)
+        return CollectiveWork(None, None, None, world_size, what, shards=tuple(shards))
     total = sum(shard_numels)
     out = _buffer(custom, total * world_size, dtype, device)
     inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
@@ -269,7 +267,6 @@ def copy_out(work: CollectiveWork, shard_numels: list[int], dests: list[torch.Te
     # refilling them is not a modification autograd must see (their versions are put back).
     versions = tuple(d._version for d in dests)
     if output is None:
-        assert work.shards is not None
         torch._foreach_copy_([d if d.dim() == 2 else d.view(1, -1) for d in dests], work.shards)
     elif all(d.dim() == 2 for d in dests):  # a strided view has a dim more than its parameter
         gathered = output.view(world_size, -1)  # (world_size, sum of slots), rank-major

@@ -326,9 +326,8 @@ class ShardedParam:
         self.adopt(current, "replacing a sharded parameter before the first forward")  # type: ignore[arg-type]
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter.
-        ``__new__`` alone makes the whole DTensor (as DTensor's own ops do); ``DTensor.__init__``
-        adds only an export-tracing wrapper that would double the cost of every gradient."""
+        """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter
+        (``__new__`` makes it whole; ``__init__`` adds an export wrapper costing as much again)."""
         return DTensor.__new__(DTensor, local, self._spec, requires_grad=False)
 
     def check_materialized(self) -> None:
@@ -350,8 +349,8 @@ class ShardedParam:
         """Give the unsharded buffer its storage back (allocated on first use)."""
         if self._padded_unsharded is None:
             self._padded_unsharded = torch.empty(self.unsharded_numel, dtype=self.unsharded_dtype, device=self.device)
-            self._storage = (self._padded_unsharded.untyped_storage(), self._padded_unsharded.untyped_storage().nbytes())
-            self._gather_out = None
+            storage = self._padded_unsharded.untyped_storage()
+            self._storage, self._gather_out = (storage, storage.nbytes()), None
             data = self._padded_unsharded.view(self.padded_shape)[: self.size[0]]
             if self.tp_spec is not None:
                 data = DTensor(data, self.tp_spec, requires_grad=False)
