@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -159,12 +159,13 @@ class CollectiveWork:
 
     work: dist.Work | None
     input: torch.Tensor | None  # all-gather: 1-D, this rank's packed shards, a view of its slot in output
-    output: torch.Tensor  # all-gather: 1-D, world_size * input.numel(), rank-major
+    output: torch.Tensor | None  # all-gather: 1-D, world_size * input.numel(), rank-major; None over one rank
     world_size: int
     what: str  # for error messages
     event: CollectiveEvent | None = None
+    shards: tuple[torch.Tensor, ...] = ()  # an all-gather over one rank: its output would be these, packed
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> torch.Tensor | None:
         if self.work is not None:
             _wait(self.work, self.what)
             self.work = None
@@ -184,7 +185,7 @@ class ReduceScatterWork(CollectiveWork):
 
     def wait(self) -> torch.Tensor:
         self.input = None
-        return super().wait()
+        return cast(torch.Tensor, super().wait())
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str, label: str = "") -> None:
@@ -221,20 +222,21 @@ def all_gather(
     custom: Any = None,
     label: str = "",
 ) -> CollectiveWork:
-    """Pack ``shards`` (each padded to its ``shard_numels`` entry) into this rank's slot
+    """Pack ``shards`` (1-D, each padded to its ``shard_numels`` entry) into this rank's slot
     (``rank`` in ``group``) of the output and all-gather in place.
 
     The padding of each slot is left uninitialised: it is copied out into padding rows
-    of the unsharded buffers, which no user ever sees.
+    of the unsharded buffers, which no user ever sees. Over one rank the output would be the
+    packed shards themselves: nothing is packed, and ``copy_out`` copies the shards.
     """
+    if world_size == 1:
+        return CollectiveWork(None, None, None, world_size, what, shards=tuple(shards))
     total = sum(shard_numels)
     out = _buffer(custom, total * world_size, dtype, device)
     inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
-    slots = [flat[: s.numel()] for flat, s in zip(torch.split(inp, shard_numels), shards)]
-    if slots:
-        torch._foreach_copy_(slots, [s.reshape(-1) for s in shards])
-    if world_size == 1:
-        return CollectiveWork(None, inp, out, world_size, what)
+    # one split into (shard, padding) pieces, one copy into the shard pieces
+    sizes = [n for s, slot in zip(shards, shard_numels) for n in (s.numel(), slot - s.numel())]
+    torch._foreach_copy_(inp.split_with_sizes(sizes)[::2], shards)
     if custom is not None:
         call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=async_op)  # noqa: E731
     else:
@@ -243,23 +245,26 @@ def all_gather(
     return CollectiveWork(work, inp, out, world_size, what, event)
 
 
-def copy_out(output: torch.Tensor, world_size: int, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
-    """Copy a gathered flat output into each parameter's unsharded buffer.
+def copy_out(work: CollectiveWork, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
+    """Wait for an all-gather, then copy its flat output into each parameter's unsharded buffer.
 
-    ``dests[i]`` is either a 1-D buffer of ``world_size * shard_numels[i]`` elements, row
-    ``r`` of whose ``(world_size, shard_numel)`` view receives rank ``r``'s slot, or a
-    ``(world_size, ...)`` strided view (a shard dim other than 0) whose entry ``r`` does.
+    ``dests[i]`` is a ``(world_size, ...)`` view whose entry ``r`` receives rank ``r``'s slot:
+    2-D and contiguous, ``(world_size, shard_numels[i])``, or strided (a shard dim other than 0).
+    Over one rank (no padding then) the shards themselves are copied.
     """
-    gathered = output.view(world_size, -1)  # (world_size, sum of slots), rank-major
+    output, world_size = work.wait(), work.world_size
     # The destinations alias parameters that autograd may have saved for backward:
-    # refilling them is not a modification autograd must see.
-    with torch.autograd._unsafe_preserve_version_counter(tuple(dests)):
-        if all(d.dim() == 1 for d in dests):
-            outs = [d.view(world_size, -1) for d in dests]
-            torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=outs)
-            return
-        for dest, block in zip(dests, torch.split(gathered, shard_numels, dim=1)):
-            dest.copy_(block.reshape(dest.shape) if dest.dim() > 1 else block.reshape(-1))
+    # refilling them is not a modification autograd must see (their versions are put back).
+    versions = tuple(d._version for d in dests)
+    if output is None:
+        torch._foreach_copy_([d if d.dim() == 2 else d.view(1, -1) for d in dests], work.shards)
+    elif all(d.dim() == 2 for d in dests):  # a strided view has a dim more than its parameter
+        gathered = output.view(world_size, -1)  # (world_size, sum of slots), rank-major
+        torch.split_with_sizes_copy(gathered, shard_numels, dim=1, out=list(dests))
+    else:
+        for dest, block in zip(dests, torch.split(output.view(world_size, -1), shard_numels, dim=1)):
+            dest.copy_(block.reshape(dest.shape))
+    torch._C._autograd._unsafe_set_version_counter(tuple(dests), versions)
 
 
 def divide_factors(
@@ -313,10 +318,9 @@ def reduce_scatter(
     torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=inp)
     if pre is not None and pre != 1:
         inp.div_(pre)
+    if world_size == 1:  # the reduce-scatter of one rank is its input
+        return ReduceScatterWork(None, inp, inp.view(-1), world_size, what, post_divide=post, all_reduce_op=op)
     out = _buffer(custom, cols, dtype, device)
-    if world_size == 1:
-        out.copy_(inp.view(-1))
-        return ReduceScatterWork(None, inp, out, world_size, what, None, post, op)
     flat = inp.view(-1)
     work, event = _issue(
         "reduce_scatter",
@@ -328,4 +332,4 @@ def reduce_scatter(
         else (lambda: getattr(dist, _REDUCE_SCATTER)(out, flat, op=op, group=group, async_op=async_op)),
         label,
     )
-    return ReduceScatterWork(work, inp, out, world_size, what, event, post, op)
+    return ReduceScatterWork(work, inp, out, world_size, what, event, post_divide=post, all_reduce_op=op)

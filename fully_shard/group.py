@@ -11,7 +11,7 @@ import torch
 
 from . import comm
 from .mesh import MeshInfo, PostForwardInfo
-from .param import ShardedParam
+from .param import ShardedParam, accumulate_sharded_grads
 from .streams import Streams
 
 
@@ -129,7 +129,7 @@ class ParamGroup:
                 p.post_forward_slice = None  # packed into the all-gather input
             return works
         what = f"all-gather of {self.label}'s parameters"
-        works = [gather([p.local_shard for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what, b[0].mesh_info)
+        works = [gather([p.flat_shard() for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what, b[0].mesh_info)
                  for b in self._gather_buckets]
         if self._ext:
             inputs, self._ext_slots = [], []
@@ -144,19 +144,20 @@ class ParamGroup:
         """Finish an issued all-gather: copy out and point the modules at full parameters."""
         if self.state is not GroupState.UNSHARDING:
             return
+        if any(w.work is None for w in self._all_gathers):  # over one rank: no collective orders the copy-in
+            streams = self._streams()
+            streams.current_waits(streams.record("copy_in"))
         for bucket, work in zip(self._gather_buckets, self._all_gathers):
-            output = work.wait()  # the current stream waits for the collective
             world = work.world_size
             for p in bucket:
                 p.alloc_unsharded()
-            dests = [p.gather_dest(world) for p in bucket]
-            comm.copy_out(output, world, [p.unsharded_numel // world for p in bucket], dests)
+            # the current stream waits for the collective, then copies out
+            comm.copy_out(work, [p.unsharded_numel // world for p in bucket], [p.gather_dest(world) for p in bucket])
             for p in bucket:
                 p.note_unsharded_version()
         if self._ext:
-            work = self._all_gathers[-1]
-            output = work.wait()
-            comm.copy_out(output, work.world_size, self._ext_slots, [d for p in self._ext for d in p.ext_gather_dests()])
+            work, world = self._all_gathers[-1], self._all_gathers[-1].world_size
+            comm.copy_out(work, self._ext_slots, [d.view(world, -1) for p in self._ext for d in p.ext_gather_dests()])
             for p in self._ext:
                 p.ext_post_all_gather()
                 p.note_unsharded_version()
@@ -317,10 +318,7 @@ class ParamGroup:
                 self.all_reduce_hook(output)
             if work.post_divide is not None and work.post_divide != 1:
                 output.div_(work.post_divide)
-            offset = 0
-            for p in params:
-                p.accumulate_sharded_grad(output[offset : offset + p.shard_numel])
-                offset += p.shard_numel
+            accumulate_sharded_grads(params, output)
 
 
 def _buckets(params: list[ShardedParam], key: Callable[[ShardedParam], torch.dtype]) -> list[list[ShardedParam]]:

@@ -169,6 +169,9 @@ class ShardedParam:
         self._spec = self._sharded_spec(param)
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local), requires_grad=param.requires_grad)
         self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
+        self._storage: tuple[torch.UntypedStorage, int] | None = None  # ... its storage, resized in place; full bytes
+        self._gather_out: torch.Tensor | None = None  # (N, ...) view of it that the all-gather's copy-out fills
+        self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (local shard, its 1-D view)
         self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
         self.accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
         self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
@@ -201,7 +204,7 @@ class ShardedParam:
         meta = self._spec.tensor_meta
         assert meta is not None
         self._spec = DTensorSpec(self._spec.mesh, self._spec.placements, TensorMeta(meta.shape, meta.stride, dtype))
-        self._padded_unsharded = None  # reallocated in the new dtype at the next all-gather
+        self._padded_unsharded = self._gather_out = None  # reallocated in the new dtype at the next all-gather
         self.unsharded_param = None
 
     def _sharded_spec(self, param: nn.Parameter) -> DTensorSpec:
@@ -242,7 +245,15 @@ class ShardedParam:
     @property
     def local_shard(self) -> torch.Tensor:
         """This rank's part (read afresh: ``to_empty``/``load_state_dict`` may swap it)."""
-        return cast(DTensor, self.sharded_param)._local_tensor
+        return self.sharded_param._local_tensor  # type: ignore[attr-defined, no-any-return]
+
+    def flat_shard(self) -> torch.Tensor:
+        """This rank's part, 1-D: the all-gather input. The view is kept while the local
+        tensor is the same (contiguous) object, rather than made again at every all-gather."""
+        local = self.local_shard
+        if self._flat[0] is not local:
+            self._flat = (local, local.view(-1) if local.is_contiguous() else None)
+        return self._flat[1] if self._flat[1] is not None else local.reshape(-1)
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full (TP-local) tensor shaped like the parameter."""
@@ -300,8 +311,9 @@ class ShardedParam:
         self.adopt(current, "replacing a sharded parameter before the first forward")  # type: ignore[arg-type]
 
     def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
-        """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter."""
-        return DTensor(local, self._spec, requires_grad=False)
+        """Wrap a tensor shaped like this rank's part as a DTensor laid out like the parameter
+        (``__new__`` makes it whole; ``__init__`` adds an export wrapper costing as much again)."""
+        return DTensor.__new__(DTensor, local, self._spec, requires_grad=False)
 
     def check_materialized(self) -> None:
         if self.local_shard.is_meta:
@@ -322,27 +334,29 @@ class ShardedParam:
         """Give the unsharded buffer its storage back (allocated on first use)."""
         if self._padded_unsharded is None:
             self._padded_unsharded = torch.empty(self.unsharded_numel, dtype=self.unsharded_dtype, device=self.device)
+            storage = self._padded_unsharded.untyped_storage()
+            self._storage, self._gather_out = (storage, storage.nbytes()), None
             data = self._padded_unsharded.view(self.padded_shape)[: self.size[0]]
             if self.tp_spec is not None:
                 data = DTensor(data, self.tp_spec, requires_grad=False)
             self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
             return
-        storage = self._padded_unsharded.untyped_storage()
-        nbytes = self._padded_unsharded.numel() * self._padded_unsharded.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-        assert self.unsharded_param is not None
+        assert self._storage is not None and self.unsharded_param is not None
+        if self._storage[0].nbytes() != self._storage[1]:
+            self._storage[0].resize_(self._storage[1])
         self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
 
     def gather_dest(self, world: int) -> torch.Tensor:
-        """Where a gathered ``(world, slot)`` block lands: the flat buffer, or for a shard dim
-        d > 0, a ``(world, *local_shape)`` strided view putting each rank's part in place."""
+        """Where a gathered ``(world, slot)`` block lands: the flat buffer viewed as ``(world,
+        slot)``, or for a shard dim d > 0, a ``(world, *local_shape)`` strided view putting each
+        rank's part in place. Made once: a view keeps following the storage's resizes."""
         assert self._padded_unsharded is not None
-        if self.shard_dim == 0 or world != self.mesh_info.shard_size:
-            return self._padded_unsharded  # dim 0, or a k-rank post-forward gather of the flat buffer
-        d, size = self.shard_dim, self.size
-        split = self._padded_unsharded.view(*size[:d], world, size[d] // world, *size[d + 1 :])
-        return split.movedim(d, 0)
+        if world != self.mesh_info.shard_size:  # a k-rank post-forward gather of the flat buffer
+            return self._padded_unsharded.view(world, -1)
+        if self._gather_out is None:
+            d, size, flat = self.shard_dim, self.size, self._padded_unsharded
+            self._gather_out = flat.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0) if d else flat.view(world, -1)
+        return self._gather_out
 
     def keep_post_forward_slice(self, k: int, index: int) -> None:
         """Keep this rank's 1/k of the padded full parameter before it is freed."""
@@ -368,8 +382,8 @@ class ShardedParam:
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the tensor objects stay, so autograd's saved
         references see the data again after the next all-gather."""
-        if self._padded_unsharded is not None:
-            self._padded_unsharded.untyped_storage().resize_(0)
+        if self._storage is not None:
+            self._storage[0].resize_(0)
         for t in (self._ext_outputs or []) + self._ext_inner:
             t.untyped_storage().resize_(0)
 
@@ -457,18 +471,24 @@ class ShardedParam:
         d, size, world = self.shard_dim, self.size, self.mesh_info.shard_size
         return grad.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
 
-    def accumulate_sharded_grad(self, flat: torch.Tensor) -> None:
-        """Add this rank's reduced slot (1-D, padded) to the sharded gradient (or set it)."""
-        if self.shard_dim == 0:
-            local = flat.view(self.chunk_rows, *self.size[1:])[: self.local_rows]
-        else:
-            local = flat.view(self.local_shape)
-        local = local.to(device=self.shard_device, dtype=self.dtype)
-        grad = self.sharded_param.grad
+
+def accumulate_sharded_grads(params: list[ShardedParam], flat: torch.Tensor) -> None:
+    """Add each parameter's reduced slot of ``flat`` (1-D: the padded slots in order; its
+    rows lead each slot) to its sharded gradient, or set it: one split, one foreach add."""
+    sizes = [n for p in params for n in (p.local_shape.numel(), p.shard_numel - p.local_shape.numel())]
+    adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for p, part in zip(params, flat.split_with_sizes(sizes)[::2]):
+        local = part.view(p.local_shape)
+        if p.dtype != flat.dtype or p.shard_device != flat.device:
+            local = local.to(device=p.shard_device, dtype=p.dtype)
+        grad = p.sharded_param.grad
         if grad is None:
-            self.sharded_param.grad = self.to_sharded_dtensor(local)
+            p.sharded_param.grad = p.to_sharded_dtensor(local)
         else:
-            cast(DTensor, grad)._local_tensor.add_(local)
+            adds[0].append(cast(DTensor, grad)._local_tensor)
+            adds[1].append(local)
+    if adds[0]:
+        torch._foreach_add_(*adds)
 
 
 def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
