@@ -263,6 +263,10 @@ class ParamGroup:
             p.accumulated_grad = None
             with_grad.append(p)
             grads[id(p)] = grad
+        if with_grad and self._alias_grads(with_grad, grads):
+            for p in with_grad:
+                accumulate_sharded_grads([p], grads[id(p)].view(-1))
+            return None
         if not with_grad:
             return None
         reductions = []
@@ -273,6 +277,14 @@ class ParamGroup:
                 reductions.append((self._reduce_scatter(bucket, grads), bucket))
         # streams: the gradients are read on the reduce-scatter stream, held until its wait; without, packed already: freed
         return PendingReduce(self, reductions, self.requires_all_reduce, list(grads.values()) if streams.backend is not None else [])
+
+    def _alias_grads(self, params: list[ShardedParam], grads: dict[int, torch.Tensor]) -> bool:
+        """Whether reducing ``params``' gradients is the identity (one rank, no replicas, no
+        divide factor, hook or cast): each sharded gradient is then its unsharded one, no copy."""
+        if self.gradient_divide_factor is not None or self.all_reduce_hook is not None or self.force_sum_reduction:
+            return False
+        return all(p.mesh_info.shard_size == 1 and p.mesh_info.replicate_group is None and p.reduce_dtype == p.dtype == g.dtype
+                   and g.device == p.shard_device and g.is_contiguous() for p in params for g in (grads[id(p)],))
 
     def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[int, torch.Tensor]) -> comm.ReduceScatterWork:
         info = bucket[0].mesh_info
