@@ -156,8 +156,7 @@ class ParamGroup:
             for p in bucket:
                 p.note_unsharded_version()
         if self._ext:
-            work, world = self._all_gathers[-1], self._all_gathers[-1].world_size
-            comm.copy_out(work, self._ext_slots, [d.view(world, -1) for p in self._ext for d in p.ext_gather_dests()])
+            comm.copy_out(self._all_gathers[-1], self._ext_slots, [d for p in self._ext for d in p.ext_gather_dests()])
             for p in self._ext:
                 p.ext_post_all_gather()
                 p.note_unsharded_version()

@@ -126,7 +126,7 @@ class ShardedParam:
         if shard_dim < 0:
             shard_dim += data.dim()
         # a tensor subclass that all-gathers itself (torch's fsdp_pre/post_all_gather contract)
-        self.extension = _uses_extension(data, fqn, shard_dim, self.tp_spec)
+        self.extension = _uses_extension(data, fqn)
         self._ext_meta: Any = None  # fsdp_pre_all_gather's metadata, until post-all-gather
         self._ext_sizes: list[torch.Size] = []  # all-gather inputs' shapes, dim 0 padded
         self._ext_dtypes: list[torch.dtype] = []
@@ -403,7 +403,7 @@ class ShardedParam:
         else:
             inputs, self._ext_meta = pre(mesh, self.size, _contiguous_stride(self.size), self.uses[0][0], self.mp_policy)
         self._ext_sizes = [
-            torch.Size((self.chunk_rows, *t.shape[1:])) if t.dim() and t.shape[0] == self.local_rows else t.shape
+            torch.Size((self.chunk_rows, *t.shape[1:])) if not self.shard_dim and t.dim() and t.shape[0] == self.local_rows else t.shape
             for t in inputs
         ]
         self._ext_dtypes = [t.dtype for t in inputs]
@@ -411,28 +411,33 @@ class ShardedParam:
         return [t.reshape(-1).view(torch.uint8) for t in inputs], slots
 
     def ext_gather_dests(self) -> list[torch.Tensor]:
-        """The persistent all-gather outputs (storage given back after a reshard), as bytes:
-        the subclass's unsharded tensors may alias them from the first all-gather on."""
-        world = self.mesh_info.shard_size
+        """The persistent all-gather outputs (storage given back after a reshard) as ``(world,
+        ...)`` byte views like :meth:`gather_dest`'s: the subclass's unsharded tensors may alias
+        them from the first all-gather on."""
+        world, d = self.mesh_info.shard_size, self.shard_dim
         if self._ext_outputs is None:
             self._ext_outputs = [
-                torch.empty(world * math.prod(s), dtype=d, device=self.device) for s, d in zip(self._ext_sizes, self._ext_dtypes)
+                torch.empty(world * math.prod(s), dtype=dt, device=self.device) for s, dt in zip(self._ext_sizes, self._ext_dtypes)
             ]
         for t in self._ext_outputs + self._ext_inner:
             _alloc_storage(t)
-        return [t.view(torch.uint8) for t in self._ext_outputs]
+        return [(t.view(*s[:d], world, *s[d:]).movedim(d, 0) if d else t.view(world, -1)).view(torch.uint8)
+                for t, s in zip(self._ext_outputs, self._ext_sizes)]
 
     def ext_post_all_gather(self) -> None:
-        """Call the subclass's ``fsdp_post_all_gather``: it builds the unsharded parameter the
-        first time, and refills it in place (``out=``) afterwards."""
+        """Call the subclass's ``fsdp_post_all_gather``: it builds the unsharded (TP-local)
+        parameter the first time, and refills it in place (``out=``) afterwards."""
         assert self._ext_outputs is not None
-        outputs = tuple(t.view(-1, *s[1:]) for t, s in zip(self._ext_outputs, self._ext_sizes))
+        d = self.shard_dim  # the ranks' parts lie side by side on it
+        outputs = tuple(t.view(*s[:d], -1, *s[d + 1 :]) for t, s in zip(self._ext_outputs, self._ext_sizes))
         post = self.local_shard.fsdp_post_all_gather  # type: ignore[attr-defined]
         if self.unsharded_param is None:
             full, inner = post(outputs, self._ext_meta, self.unsharded_dtype)
             self._ext_inner = list(inner)
             if full.shape[0] != self.size[0]:  # padded rows of an uneven shard
                 full = full[: self.size[0]]
+            if self.tp_spec is not None:
+                full = DTensor(full, self.tp_spec, requires_grad=False)
             self.unsharded_param = nn.Parameter(full, requires_grad=self.sharded_param.requires_grad)
         else:
             post(outputs, self._ext_meta, self.unsharded_dtype, out=self.unsharded_param)
@@ -516,7 +521,7 @@ def _alloc_storage(t: torch.Tensor) -> None:
         storage.resize_(int(nbytes))
 
 
-def _uses_extension(data: torch.Tensor, fqn: str, shard_dim: int, tp_spec: DTensorSpec | None) -> bool:
+def _uses_extension(data: torch.Tensor, fqn: str) -> bool:
     """Whether ``data`` is a tensor subclass that all-gathers itself; raise for a subclass
     that fully_shard would otherwise turn into a plain tensor."""
     if getattr(type(data), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
@@ -528,10 +533,5 @@ def _uses_extension(data: torch.Tensor, fqn: str, shard_dim: int, tp_spec: DTens
             f"{'with only one of' if any(has) else 'without'} fsdp_pre_all_gather / "
             "fsdp_post_all_gather: sharding it would turn it into a plain tensor. Define both "
             "(torch's FSDP2 all-gather extension contract), or keep it out with ignored_params."
-        )
-    if shard_dim != 0 or tp_spec is not None:
-        raise NotImplementedError(
-            f"fully_shard: parameter {fqn!r} ({type(data).__name__}) all-gathers itself, which is "
-            "supported on Shard(0) without tensor parallelism only"
         )
     return True

@@ -96,9 +96,14 @@ def _model() -> nn.Module:
     return model
 
 
-def _train(use_torch: bool, bf16: bool) -> dict[str, Any]:
+def _train(use_torch: bool, bf16: bool, tp: bool = False, shard_dim: int = 0) -> dict[str, Any]:
+    """With ``tp``: a (dp=2, tp=world/2) mesh, the first Linear column-wise and the second
+    row-wise parallel on mesh["tp"], then fully_shard on mesh["dp"] (the 2-D recipe);
+    ``shard_dim`` 1: ``shard_placement_fn`` puts the weights on Shard(1)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from fully_shard import MixedPrecisionPolicy, fully_shard
 
@@ -106,16 +111,22 @@ def _train(use_torch: bool, bf16: bool) -> dict[str, Any]:
     mp = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else mp_cls()
     HalfGather.calls.update(pre=0, post=0, post_out=0)
     HalfGather.gathered_dtypes.clear()
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
-    model = _model()
+    model, data_rank = _model(), dist.get_rank()
+    if tp:
+        mesh_2d = init_device_mesh(device_type(), (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh_2d["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh, data_rank = mesh_2d["dp"], mesh_2d["dp"].get_local_rank()
+    else:
+        mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    place = {"shard_placement_fn": lambda p: Shard(shard_dim) if p.dim() == 2 else None}
     for lin in (model[0], model[2]):
-        shard(lin, mesh=mesh, mp_policy=mp)
-    shard(model, mesh=mesh, mp_policy=mp)
+        shard(lin, mesh=mesh, mp_policy=mp, **place)
+    shard(model, mesh=mesh, mp_policy=mp, **place)
     local_types = [type(p._local_tensor).__name__ for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
     losses = []
     for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()), device="cpu").to(device())
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + data_rank), device="cpu").to(device())
         loss = model(x).float().pow(2).mean()
         loss.backward()
         opt.step()
@@ -124,6 +135,7 @@ def _train(use_torch: bool, bf16: bool) -> dict[str, Any]:
     return {
         "losses": losses,
         "params": [p.full_tensor() if not isinstance(p._local_tensor, HalfGather) else _full(p) for p in model.parameters()],
+        "placements": [str(p.placements) for p in model.parameters()],
         "local_types": local_types,
         "calls": dict(HalfGather.calls),
         "dtypes": sorted({str(d) for d in HalfGather.gathered_dtypes}),
@@ -131,11 +143,9 @@ def _train(use_torch: bool, bf16: bool) -> dict[str, Any]:
 
 
 def _full(p: DTensor) -> torch.Tensor:
-    """The full fp32 value of a HalfGather DTensor parameter (gathered plainly)."""
-    local = p._local_tensor._t.contiguous()
-    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, local)
-    return torch.cat(out)
+    """The full fp32 value of a HalfGather DTensor parameter (its local values, redistributed
+    by DTensor as a plain tensor)."""
+    return DTensor.from_local(p._local_tensor._t.contiguous(), p.device_mesh, p.placements, run_check=False).full_tensor()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -152,6 +162,27 @@ def test_own_subclass_matches_torch_fsdp2(bf16: bool, world_size: int) -> None:
         assert a["calls"] == b["calls"] == {"pre": 12, "post": 12, "post_out": 10}, (a["calls"], b["calls"])
         assert a["dtypes"] == [("torch.bfloat16" if bf16 else "torch.float32")], a["dtypes"]
         assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"  # bitwise: see docstring
+        assert a["placements"] == b["placements"], (a["placements"], b["placements"])
+        for p, q in zip(a["params"], b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "tp", "shard_dim"), [(2, False, 1), (4, False, 1), (4, True, 0), (4, True, 1)],
+    ids=["shard1-2", "shard1-4", "tp-4", "tp-shard1-4"],
+)
+def test_own_subclass_with_tp_or_shard_1_matches_torch_fsdp2(world_size: int, tp: bool, shard_dim: int) -> None:
+    """Tensor parallelism and Shard(1): the subclass gathers its TP-local part; a Shard(1) part
+    lands side by side on dim 1. Bitwise, as above: the same casts, collectives and layout."""
+    ours = run_distributed(_train, world_size, False, True, tp, shard_dim)
+    theirs = run_distributed(_train, world_size, True, True, tp, shard_dim)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["local_types"] == b["local_types"] == ["HalfGather", "Tensor", "HalfGather", "Tensor"], a["local_types"]
+        assert a["calls"] == b["calls"] == {"pre": 12, "post": 12, "post_out": 10}, (a["calls"], b["calls"])
+        assert a["dtypes"] == ["torch.bfloat16"], a["dtypes"]
+        assert a["placements"] == b["placements"], (a["placements"], b["placements"])
+        assert f"Shard(dim={shard_dim})" in a["placements"][0] and ("Shard(dim=1)" in a["placements"][2]) == (tp or shard_dim == 1)
+        assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
         for p, q in zip(a["params"], b["params"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
@@ -325,3 +356,75 @@ def _uneven() -> None:
 
 def test_own_subclass_unevenly_sharded_matches_unsharded() -> None:
     run_distributed(_uneven, 2)
+
+
+def _float8_tp(use_torch: bool, float8_tp: bool) -> dict[str, Any]:
+    """torchtitan's float8 recipe on a (dp=2, tp=2) mesh: float8 training with float8 FSDP
+    all-gathers, torch TP (torchao's float8 TP styles, or torch's plain ones) on mesh["tp"],
+    then fully_shard on mesh["dp"]. torch's FSDP2 is the oracle: gloo has no float8, so its
+    all-gather is given a custom comm that moves the same bytes as uint8."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from fully_shard import fully_shard
+    from fully_shard.comm import add_observer, remove_observer
+
+    class ByteAllGather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+            out, inp = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+            return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    styles = (Float8ColwiseParallel(), Float8RowwiseParallel()) if float8_tp else (ColwiseParallel(), RowwiseParallel())
+    parallelize_module(model, mesh["tp"], dict(zip(("0", "2"), styles)))
+    for module in (model[0], model[2], model):
+        (torch_fully_shard if use_torch else fully_shard)(module, mesh=mesh["dp"])
+        if use_torch:
+            module.set_custom_all_gather(ByteAllGather())  # type: ignore[operator]
+    local_types = [type(p._local_tensor).__name__ for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, events = [], []
+    add_observer(events.append)
+    try:
+        for step in range(3):
+            seed = 10 * step + mesh["dp"].get_local_rank()  # one batch per TP group
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(seed), device="cpu").to(device())
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        remove_observer(events.append)
+    params = [p.to_local()._tensor.clone() for p in model.parameters()]  # this rank's part, fp32
+    return {
+        "losses": losses, "params": params, "local_types": local_types, "placements": [str(p.placements) for p in model.parameters()],
+        "ag_bytes": sorted({e.nbytes for e in events if e.kind == "all_gather"}),
+    }
+
+
+@pytest.mark.parametrize("float8_tp", [True, False], ids=["float8_tp_styles", "torch_tp_styles"])
+def test_torchao_float8_with_tensor_parallel_matches_torch_fsdp2(float8_tp: bool) -> None:
+    pytest.importorskip("torchao")
+    ours = run_distributed(_float8_tp, 4, False, float8_tp)
+    theirs = run_distributed(_float8_tp, 4, True, float8_tp)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["local_types"] == b["local_types"] == ["WeightWithDynamicFloat8CastTensor"] * 2, a["local_types"]
+        assert a["placements"] == b["placements"], (a["placements"], b["placements"])
+        # each weight's part is 16x32 (TP, then FSDP, halves 64x32): 1 byte each on the wire
+        assert a["ag_bytes"] == [16 * 32], a["ag_bytes"]
+        assert len(set(a["losses"])) == 3, a["losses"]  # it trains
+        # bitwise: the same float8 casts of the same TP-local weights (scale from the amax
+        # all-reduced over the dp mesh, as torch passes it), the same gloo AVG, AdamW on the same parts
+        assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
+        for p, q in zip(a["params"], b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
