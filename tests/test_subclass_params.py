@@ -6,13 +6,15 @@ here), counts its hook calls, and on later all-gathers relies on ``out=`` (the u
 parameter aliases the gathered buffer, which must be refilled in place). Each test trains
 the same model with ``fully_shard`` and with torch's FSDP2 (the oracle) on 2 gloo ranks (the
 own-subclass test on 4 too): bitwise, because both run the same casts and the same gloo
-reduce-scatter (AVG) over the same layout, so the same sums in the same order.
-torchao's float8 and int8 recipes are in the second half (skipped without torchao).
+reduce-scatter (AVG) over the same layout, so the same sums in the same order. Also with
+tensor parallelism (the hooks see the TP-local part), ``Shard(1)`` and ``dp_mesh_dims``.
+torchao's float8 (also with TP) and int8 recipes are in the second half (skipped without torchao).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -40,6 +42,7 @@ class HalfGather(torch.Tensor):
 
     calls: dict[str, int] = {"pre": 0, "post": 0, "post_out": 0}
     gathered_dtypes: list[torch.dtype] = []
+    meshes: set[str] = set()  # the ranks of each mesh fsdp_pre_all_gather was given
 
     @staticmethod
     def __new__(cls, t: torch.Tensor) -> HalfGather:
@@ -72,6 +75,7 @@ class HalfGather(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any) -> Any:
         HalfGather.calls["pre"] += 1
+        HalfGather.meshes.add(str(mesh.mesh.tolist()))
         dtype = mp_policy.param_dtype or self.dtype
         HalfGather.gathered_dtypes.append(dtype)
         return (self._t.to(dtype),), ("meta", dtype)
@@ -111,6 +115,7 @@ def _train(use_torch: bool, bf16: bool, tp: bool = False, shard_dim: int = 0) ->
     mp = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else mp_cls()
     HalfGather.calls.update(pre=0, post=0, post_out=0)
     HalfGather.gathered_dtypes.clear()
+    HalfGather.meshes.clear()
     model, data_rank = _model(), dist.get_rank()
     if tp:
         mesh_2d = init_device_mesh(device_type(), (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
@@ -139,6 +144,7 @@ def _train(use_torch: bool, bf16: bool, tp: bool = False, shard_dim: int = 0) ->
         "local_types": local_types,
         "calls": dict(HalfGather.calls),
         "dtypes": sorted({str(d) for d in HalfGather.gathered_dtypes}),
+        "meshes": sorted(HalfGather.meshes),
     }
 
 
@@ -181,6 +187,7 @@ def test_own_subclass_with_tp_or_shard_1_matches_torch_fsdp2(world_size: int, tp
         assert a["calls"] == b["calls"] == {"pre": 12, "post": 12, "post_out": 10}, (a["calls"], b["calls"])
         assert a["dtypes"] == ["torch.bfloat16"], a["dtypes"]
         assert a["placements"] == b["placements"], (a["placements"], b["placements"])
+        assert a["meshes"] == b["meshes"] and len(a["meshes"]) == 1, (a["meshes"], b["meshes"])  # the dp mesh
         assert f"Shard(dim={shard_dim})" in a["placements"][0] and ("Shard(dim=1)" in a["placements"][2]) == (tp or shard_dim == 1)
         assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
         for p, q in zip(a["params"], b["params"]):
@@ -215,6 +222,55 @@ def test_subclass_without_hooks_is_refused() -> None:
     msg = run_distributed(_no_hooks, 1)[0]
     assert "'weight'" in msg and "_Opaque" in msg and "plain tensor" in msg, msg
 
+
+def _spmd(case: str, use_torch: bool) -> dict[str, Any]:
+    """dp_mesh_dims: HalfGather weights as DTensors on the whole SPMD mesh (test_drop_in's
+    ``SpmdMLP`` and cases), trained 2 steps."""
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fully_shard import DataParallelMeshDims, fully_shard
+    from tests.test_drop_in import SPMD_CASES, SpmdMLP
+
+    shape, names, tp, fields = SPMD_CASES[case]
+    shard, dims = (torch_fully_shard, TorchDims) if use_torch else (fully_shard, DataParallelMeshDims)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    model = SpmdMLP(mesh, tp)
+    for name, p in list(model.named_parameters()):
+        setattr(model, name, nn.Parameter(DTensor.from_local(HalfGather(p._local_tensor.clone()), mesh, p.placements, run_check=False)))
+        getattr(model, name)._spec = dataclasses.replace(p._spec, mesh=mesh)  # `mesh` itself: see test_drop_in's _spmd
+    HalfGather.calls.update(pre=0, post=0, post_out=0)
+    HalfGather.meshes.clear()
+    shard(model, mesh=mesh, dp_mesh_dims=dims(**fields))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(2):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step), device="cpu").to(device())
+        loss = model(distribute_tensor(x, mesh, [Replicate() if n == tp else Shard(0) for n in names])).pow(2).sum().full_tensor()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    local = [p._local_tensor for p in model.parameters()]
+    return {
+        "losses": losses, "calls": dict(HalfGather.calls), "meshes": sorted(HalfGather.meshes),
+        "types": [type(t).__name__ for t in local], "local": [t._t.clone() for t in local],
+    }
+
+
+@pytest.mark.parametrize("case", ["fsdp", "fsdp_two_shard_dims_tp", "hsdp_two_shard_dims"])
+def test_own_subclass_with_dp_mesh_dims_matches_torch_fsdp2(case: str) -> None:
+    ours = run_distributed(_spmd, 4, case, False)
+    theirs = run_distributed(_spmd, 4, case, True)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["types"] == b["types"] == ["HalfGather", "HalfGather"], a["types"]
+        assert a["calls"] == b["calls"] == {"pre": 4, "post": 4, "post_out": 2}, (a["calls"], b["calls"])
+        assert a["meshes"] == b["meshes"], (a["meshes"], b["meshes"])  # the mesh float8 reduces its amax over
+        # bitwise: fp32 gathered exactly, the same gradient reductions as torch over the same layout
+        assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
+        for p, q in zip(a["local"], b["local"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 # ---------------------------------------------------------------------------
 # torchao: float8 training with float8 all-gathers, int8 weight-only quantized training
@@ -358,13 +414,14 @@ def test_own_subclass_unevenly_sharded_matches_unsharded() -> None:
     run_distributed(_uneven, 2)
 
 
-def _float8_tp(use_torch: bool, float8_tp: bool) -> dict[str, Any]:
+def _float8_tp(use_torch: bool, float8_tp: bool, shard_dim: int = 0) -> dict[str, Any]:
     """torchtitan's float8 recipe on a (dp=2, tp=2) mesh: float8 training with float8 FSDP
     all-gathers, torch TP (torchao's float8 TP styles, or torch's plain ones) on mesh["tp"],
-    then fully_shard on mesh["dp"]. torch's FSDP2 is the oracle: gloo has no float8, so its
+    then fully_shard on mesh["dp"] (the weights on ``Shard(shard_dim)``). torch's FSDP2 is the oracle: gloo has no float8, so its
     all-gather is given a custom comm that moves the same bytes as uint8."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
@@ -387,7 +444,7 @@ def _float8_tp(use_torch: bool, float8_tp: bool) -> dict[str, Any]:
     styles = (Float8ColwiseParallel(), Float8RowwiseParallel()) if float8_tp else (ColwiseParallel(), RowwiseParallel())
     parallelize_module(model, mesh["tp"], dict(zip(("0", "2"), styles)))
     for module in (model[0], model[2], model):
-        (torch_fully_shard if use_torch else fully_shard)(module, mesh=mesh["dp"])
+        (torch_fully_shard if use_torch else fully_shard)(module, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(shard_dim))
         if use_torch:
             module.set_custom_all_gather(ByteAllGather())  # type: ignore[operator]
     local_types = [type(p._local_tensor).__name__ for p in model.parameters()]
@@ -412,16 +469,19 @@ def _float8_tp(use_torch: bool, float8_tp: bool) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("float8_tp", [True, False], ids=["float8_tp_styles", "torch_tp_styles"])
-def test_torchao_float8_with_tensor_parallel_matches_torch_fsdp2(float8_tp: bool) -> None:
+@pytest.mark.parametrize(
+    ("float8_tp", "shard_dim"), [(True, 0), (False, 0), (True, 1)], ids=["float8_tp_styles", "torch_tp_styles", "float8_tp_shard1"]
+)
+def test_torchao_float8_with_tensor_parallel_matches_torch_fsdp2(float8_tp: bool, shard_dim: int) -> None:
     pytest.importorskip("torchao")
-    ours = run_distributed(_float8_tp, 4, False, float8_tp)
-    theirs = run_distributed(_float8_tp, 4, True, float8_tp)
+    ours = run_distributed(_float8_tp, 4, False, float8_tp, shard_dim)
+    theirs = run_distributed(_float8_tp, 4, True, float8_tp, shard_dim)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert a["local_types"] == b["local_types"] == ["WeightWithDynamicFloat8CastTensor"] * 2, a["local_types"]
         assert a["placements"] == b["placements"], (a["placements"], b["placements"])
-        # each weight's part is 16x32 (TP, then FSDP, halves 64x32): 1 byte each on the wire
+        # each weight's part is 16x32 or 32x16 (TP, then FSDP, halve 64x32): 1 byte each on the wire
         assert a["ag_bytes"] == [16 * 32], a["ag_bytes"]
+        assert all(f"Shard(dim={shard_dim})" in p for p in a["placements"]), a["placements"]
         assert len(set(a["losses"])) == 3, a["losses"]  # it trains
         # bitwise: the same float8 casts of the same TP-local weights (scale from the amax
         # all-reduced over the dp mesh, as torch passes it), the same gloo AVG, AdamW on the same parts
