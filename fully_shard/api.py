@@ -665,7 +665,7 @@ class FSDPModule:
         all-reduce across replicas yourself. ``stream`` is only allowed without HSDP, as in
         torch; the hook runs on the reduce-scatter stream here (the CPU has none)."""
         for group in self._groups(recurse=False):
-            if stream is not None and group.mesh_info.replicate_group is not None:
+            if stream is not None and group.mesh_info.replicate is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (a 2-D mesh)")
             group.all_reduce_hook = hook
 

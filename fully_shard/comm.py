@@ -153,9 +153,18 @@ def _wait(work: dist.Work, what: str) -> None:
         ) from e
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks a collective runs over: their process group, how many, this rank's index."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+
 @dataclass
 class CollectiveWork:
-    """A collective in flight (an all-gather as such), holding its buffers until ``wait`` returns."""
+    """A collective in flight, holding its buffers until ``wait`` returns."""
 
     work: dist.Work | None
     input: torch.Tensor | None  # all-gather: 1-D, this rank's packed shards, a view of its slot in output
@@ -176,9 +185,8 @@ class CollectiveWork:
 
 @dataclass
 class ReduceScatterWork(CollectiveWork):
-    """A reduce-scatter in flight, holding its buffers until ``wait`` returns: ``input`` is
-    the (world_size, shard_numel) chunk-concatenated gradients, dropped then; ``output`` this
-    rank's reduced (and pre-divided) flat shard."""
+    """A reduce-scatter in flight: ``input`` is the (world_size, shard_numel) chunk-concatenated
+    gradients, dropped at ``wait``; ``output`` this rank's reduced (and pre-divided) flat shard."""
 
     post_divide: float | None = None  # applied once every reduction, all-reduce included, is done
     all_reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM  # HSDP: the op for the all-reduce across replicas
@@ -209,40 +217,39 @@ def _buffer(custom: Any, numel: int, dtype: torch.dtype, device: torch.device) -
     return buffer
 
 
+def _start(kind: str, what: str, ranks: Ranks, out: torch.Tensor, inp: torch.Tensor, custom: Any, label: str, **op: Any) -> Any:
+    """Issue an asynchronous all-gather or reduce-scatter of ``inp`` into ``out``, through the
+    user's ``custom`` Comm if set; returns ``_issue``'s (work, event)."""
+    group = ranks.group
+    if custom is not None:
+        call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=True, **op)  # noqa: E731
+    else:
+        fn = getattr(dist, _ALL_GATHER if kind == "all_gather" else _REDUCE_SCATTER)
+        call = lambda: fn(out, inp, group=group, async_op=True, **op)  # noqa: E731
+    return _issue(kind, what, group, inp, call, label)
+
+
 def all_gather(
-    shards: list[torch.Tensor],
-    shard_numels: list[int],
-    group: dist.ProcessGroup,
-    world_size: int,
-    rank: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    async_op: bool,
-    what: str = "all-gather",
-    custom: Any = None,
-    label: str = "",
+    shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks, dtype: torch.dtype, device: torch.device,
+    what: str, label: str = "", custom: Any = None,
 ) -> CollectiveWork:
     """Pack ``shards`` (1-D, each padded to its ``shard_numels`` entry) into this rank's slot
-    (``rank`` in ``group``) of the output and all-gather in place.
+    of the output and all-gather in place over ``ranks``.
 
     The padding of each slot is left uninitialised: it is copied out into padding rows
     of the unsharded buffers, which no user ever sees. Over one rank the output would be the
     packed shards themselves: nothing is packed, and ``copy_out`` copies the shards.
     """
-    if world_size == 1:
-        return CollectiveWork(None, None, None, world_size, what, shards=tuple(shards))
+    if ranks.size == 1:
+        return CollectiveWork(None, None, None, 1, what, shards=tuple(shards))
     total = sum(shard_numels)
-    out = _buffer(custom, total * world_size, dtype, device)
-    inp = out.narrow(0, rank * total, total)  # packed in place: no separate input buffer
+    out = _buffer(custom, total * ranks.size, dtype, device)
+    inp = out.narrow(0, ranks.rank * total, total)  # packed in place: no separate input buffer
     # one split into (shard, padding) pieces, one copy into the shard pieces
     sizes = [n for s, slot in zip(shards, shard_numels) for n in (s.numel(), slot - s.numel())]
     torch._foreach_copy_(inp.split_with_sizes(sizes)[::2], shards)
-    if custom is not None:
-        call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=async_op)  # noqa: E731
-    else:
-        call = lambda: getattr(dist, _ALL_GATHER)(out, inp, group=group, async_op=async_op)  # noqa: E731
-    work, event = _issue("all_gather", what, group, inp, call, label)
-    return CollectiveWork(work, inp, out, world_size, what, event)
+    work, event = _start("all_gather", what, ranks, out, inp, custom, label)
+    return CollectiveWork(work, inp, out, ranks.size, what, event)
 
 
 def copy_out(work: CollectiveWork, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
@@ -289,47 +296,28 @@ def divide_factors(
 
 
 def reduce_scatter(
-    grads: list[torch.Tensor],
-    group: dist.ProcessGroup,
-    world_size: int,
-    replicate_size: int,
-    dtype: torch.dtype,
-    divide_factor: float | None,
-    async_op: bool,
-    what: str = "reduce-scatter",
-    custom: Any = None,
-    force_sum: bool = False,
-    label: str = "",
+    grads: list[torch.Tensor], ranks: Ranks, dtype: torch.dtype, *, dp_size: int, divide_factor: float | None,
+    force_sum: bool, what: str, label: str = "", custom: Any = None,
 ) -> ReduceScatterWork:
     """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard.
 
-    The division covers all ``world_size * replicate_size`` data-parallel ranks: with HSDP
-    the caller all-reduces the output across replicas (``all_reduce_op``) and then applies
-    ``post_divide``.
+    The division covers all ``dp_size`` data-parallel ranks: with HSDP the caller all-reduces
+    the output across replicas (``all_reduce_op``) and then applies ``post_divide``.
     """
-    op, pre, post = divide_factors(dtype, world_size * replicate_size, divide_factor, force_sum)
+    op, pre, post = divide_factors(dtype, dp_size, divide_factor, force_sum)
     if len({g.dtype for g in grads}) > 1:
         grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
-    # (world_size, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded,
+    # (world, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded,
     # cast to the reduce dtype on the way (no separate cast copy)
-    cols = sum(math.ceil(g.shape[0] / world_size) * math.prod(g.shape[1:]) for g in grads)
-    device, custom = grads[0].device, custom if world_size > 1 else None
-    inp = _buffer(custom, world_size * cols, dtype, device).view(world_size, cols)
-    torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=inp)
+    world = ranks.size
+    cols = sum(math.ceil(g.shape[0] / world) * math.prod(g.shape[1:]) for g in grads)
+    device, custom = grads[0].device, custom if world > 1 else None
+    inp = _buffer(custom, world * cols, dtype, device).view(world, cols)
+    torch._chunk_cat(grads, dim=0, num_chunks=world, out=inp)
     if pre is not None and pre != 1:
         inp.div_(pre)
-    if world_size == 1:  # the reduce-scatter of one rank is its input
-        return ReduceScatterWork(None, inp, inp.view(-1), world_size, what, post_divide=post, all_reduce_op=op)
+    if world == 1:  # the reduce-scatter of one rank is its input
+        return ReduceScatterWork(None, inp, inp.view(-1), world, what, post_divide=post, all_reduce_op=op)
     out = _buffer(custom, cols, dtype, device)
-    flat = inp.view(-1)
-    work, event = _issue(
-        "reduce_scatter",
-        what,
-        group,
-        flat,
-        (lambda: custom(output_tensor=out, input_tensor=flat, group=group, op=op, async_op=async_op))
-        if custom is not None
-        else (lambda: getattr(dist, _REDUCE_SCATTER)(out, flat, op=op, group=group, async_op=async_op)),
-        label,
-    )
-    return ReduceScatterWork(work, inp, out, world_size, what, event, post_divide=post, all_reduce_op=op)
+    work, event = _start("reduce_scatter", what, ranks, out, inp.view(-1), custom, label, op=op)
+    return ReduceScatterWork(work, inp, out, world, what, event, post_divide=post, all_reduce_op=op)

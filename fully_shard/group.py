@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from . import comm
-from .mesh import MeshInfo, PostForwardInfo
+from .mesh import MeshInfo
 from .param import ShardedParam, accumulate_sharded_grads
 from .streams import Streams
 
@@ -61,7 +62,7 @@ class ParamGroup:
         self.mesh_info = mesh_info
         self.device = device
         self.label = label  # the module(s) of the fully_shard call, for messages and traces
-        self.post_forward: PostForwardInfo | None = None  # while POST_FORWARD: the k ranks holding the slices
+        self.post_forward: comm.Ranks | None = None  # while POST_FORWARD: the k ranks holding the slices
         self.state = GroupState.SHARDED
         self._gather_buckets = _buckets([p for p in params if not p.extension], lambda p: p.unsharded_dtype)
         self._ext = [p for p in params if p.extension]  # subclasses that all-gather themselves
@@ -108,28 +109,22 @@ class ParamGroup:
             self.wait_for_unshard()
 
     def _issue_all_gathers(self) -> list[comm.CollectiveWork]:
-        """One all-gather per unsharded dtype (and one, of bytes, for the subclasses that
-        gather themselves); from POST_FORWARD, of the kept slices within the k ranks."""
-        pf, info = self.post_forward, self.mesh_info
+        """One all-gather per unsharded dtype and mesh (and one, of bytes, for the subclasses
+        that gather themselves); from POST_FORWARD, of the kept slices within the k ranks."""
+        pf = self.post_forward
 
-        def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, info: MeshInfo = info) -> comm.CollectiveWork:
-            group, size, rank = (info.shard_group, info.shard_size, info.shard_rank) if pf is None else (pf.group, pf.size, pf.rank)
-            return comm.all_gather(
-                shards, numels, group, size, rank, dtype, self.device, async_op=True, what=what, custom=self.all_gather_comm,
-                label=self.label,
-            )
+        def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, ranks: comm.Ranks) -> comm.CollectiveWork:
+            return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label, self.all_gather_comm)
 
         if pf is not None:  # POST_FORWARD
-            works = [
-                gather([p.post_forward_slice for p in b], [p.unsharded_numel // pf.size for p in b], b[0].unsharded_dtype,
-                       f"backward all-gather of {self.label}'s parameters within {pf.size} ranks")
-                for b in self._gather_buckets
-            ]
+            what = f"backward all-gather of {self.label}'s parameters within {pf.size} ranks"
+            works = [gather([p.post_forward_slice for p in b], [p.unsharded_numel // pf.size for p in b], b[0].unsharded_dtype, what, pf)
+                     for b in self._gather_buckets]
             for p in self.params:
                 p.post_forward_slice = None  # packed into the all-gather input
             return works
         what = f"all-gather of {self.label}'s parameters"
-        works = [gather([p.flat_shard() for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what, b[0].mesh_info)
+        works = [gather([p.flat_shard() for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what, b[0].mesh_info.shard)
                  for b in self._gather_buckets]
         if self._ext:
             inputs, self._ext_slots = [], []
@@ -137,7 +132,8 @@ class ParamGroup:
                 flats, slots = p.ext_all_gather_inputs()
                 inputs += flats
                 self._ext_slots += slots
-            works.append(gather(inputs, self._ext_slots, torch.uint8, f"all-gather of {self.label}'s tensor-subclass parameters"))
+            what = f"all-gather of {self.label}'s tensor-subclass parameters"
+            works.append(gather(inputs, self._ext_slots, torch.uint8, what, self.mesh_info.shard))
         return works
 
     def wait_for_unshard(self) -> None:
@@ -165,7 +161,7 @@ class ParamGroup:
             p.register(unsharded=True)
         self._move_to(GroupState.UNSHARDED)
 
-    def reshard(self, keep: PostForwardInfo | None = None) -> None:
+    def reshard(self, keep: comm.Ranks | None = None) -> None:
         """Free the full parameters and point the modules back at the sharded ones.
 
         With ``keep`` (``reshard_after_forward=k``, after forward), each rank first keeps its
@@ -282,23 +278,17 @@ class ParamGroup:
         divide factor, hook or cast): each sharded gradient is then its unsharded one, no copy."""
         if self.gradient_divide_factor is not None or self.all_reduce_hook is not None or self.force_sum_reduction:
             return False
-        return all(p.mesh_info.shard_size == 1 and p.mesh_info.replicate_group is None and p.reduce_dtype == p.dtype == g.dtype
+        return all(p.mesh_info.shard.size == 1 and p.mesh_info.replicate is None and p.reduce_dtype == p.dtype == g.dtype
                    and g.device == p.shard_device and g.is_contiguous() for p in params for g in (grads[id(p)],))
 
     def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[int, torch.Tensor]) -> comm.ReduceScatterWork:
         info = bucket[0].mesh_info
+        ranks = dataclasses.replace(info.shard, group=self.reduce_scatter_groups.get(id(info), info.shard.group))
         return comm.reduce_scatter(
-            [p.grad_for_reduce(grads[id(p)]) for p in bucket],
-            self.reduce_scatter_groups.get(id(info), info.shard_group),
-            info.shard_size,
-            info.replicate_size,
-            bucket[0].reduce_dtype,
-            self.gradient_divide_factor,
-            async_op=True,
-            what=f"reduce-scatter of {self.label}'s gradients",
+            [p.grad_for_reduce(grads[id(p)]) for p in bucket], ranks, bucket[0].reduce_dtype,
+            dp_size=ranks.size * (info.replicate.size if info.replicate else 1), divide_factor=self.gradient_divide_factor,
+            force_sum=self.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients", label=self.label,
             custom=self.reduce_scatter_comm,
-            force_sum=self.force_sum_reduction,
-            label=self.label,
         )
 
     def finish_reduce(self, pending: PendingReduce) -> None:
@@ -320,11 +310,11 @@ class ParamGroup:
             partial = self._partials.pop(key, None)
             if partial is not None:
                 output.add_(partial)
-            if info.replicate_group is not None:
+            if info.replicate is not None:
                 if not pending.all_reduce:
                     self._partials[key] = output  # reduced within the shard group only
                     continue
-                comm.all_reduce(output, info.replicate_group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label)
+                comm.all_reduce(output, info.replicate.group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label)
             if self.all_reduce_hook is not None:
                 self.all_reduce_hook(output)
             if work.post_divide is not None and work.post_divide != 1:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .comm import Ranks
 from .policy import DataParallelMeshDims
 
 
@@ -26,16 +27,10 @@ class MeshInfo:
     spmd_replicate_dims: tuple[int, ...] = ()  # flattened into its replicate dim
 
     def __post_init__(self) -> None:
-        # DDP: each rank's shard is the whole parameter, so no collective uses shard_group
-        dim = self.replicate_mesh_dim if self.shard_mesh_dim is None else self.shard_mesh_dim
-        self.shard_group: dist.ProcessGroup = self.mesh.get_group(dim)
-        self.shard_size: int = 1 if self.shard_mesh_dim is None else self.mesh.size(dim)
-        self.shard_rank: int = 0 if self.shard_mesh_dim is None else self.mesh.get_local_rank(dim)
-        self.replicate_group: dist.ProcessGroup | None = None
-        self.replicate_size = 1
-        if self.replicate_mesh_dim is not None:
-            self.replicate_group = self.mesh.get_group(self.replicate_mesh_dim)
-            self.replicate_size = self.mesh.size(self.replicate_mesh_dim)
+        # DDP: each rank's shard is the whole parameter (one rank's worth): no collective uses this group
+        ddp, dim = self.shard_mesh_dim is None, self.shard_mesh_dim
+        self.shard = Ranks(self.mesh.get_group(self.replicate_mesh_dim), 1, 0) if ddp else _ranks(self.mesh, dim)
+        self.replicate = None if self.replicate_mesh_dim is None else _ranks(self.mesh, self.replicate_mesh_dim)
 
     @property
     def device(self) -> torch.device:
@@ -44,6 +39,10 @@ class MeshInfo:
         if device_type == "cpu":
             return torch.device("cpu")
         return torch.device(device_type, getattr(torch, device_type).current_device())
+
+
+def _ranks(mesh: DeviceMesh, dim: Any) -> Ranks:
+    return Ranks(mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim))
 
 
 def default_mesh() -> DeviceMesh:
@@ -60,16 +59,6 @@ def default_mesh() -> DeviceMesh:
 
 # dim names that mean model parallelism: passing such a mesh as the data-parallel one is a mistake
 _MODEL_PARALLEL_DIM_NAMES = ("tp", "cp", "ep", "pp", "tensor", "context", "expert", "pipeline")
-
-
-@dataclass
-class PostForwardInfo:
-    """reshard_after_forward=k: the k consecutive ranks of the shard dim that hold the
-    parameters between forward and backward, so the backward all-gather stays among them."""
-
-    group: dist.ProcessGroup
-    size: int  # k
-    rank: int  # this rank's index among the k
 
 
 def reshard_setting(value: bool | int | None, n: int) -> bool | int | None:
@@ -100,12 +89,13 @@ def reshard_setting(value: bool | int | None, n: int) -> bool | int | None:
     return True if value == n else value
 
 
-def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, PostForwardInfo | None]:
-    """``reshard_after_forward``, once: whether to reshard after forward (``None``: decided
-    at lazy init) and, for an int ``k`` (see :func:`reshard_setting`), this rank's k-rank group."""
+def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, Ranks | None]:
+    """``reshard_after_forward``, once: whether to reshard after forward (``None``: decided at
+    lazy init) and, for an int ``k`` (see :func:`reshard_setting`), the k consecutive ranks of
+    the shard dim that hold the parameters between forward and backward, this rank among them."""
     if info.shard_mesh_dim is None:
         return False, None  # DDP: nothing to reshard to; the full parameters stay, as in torch
-    setting = reshard_setting(value, info.shard_size)
+    setting = reshard_setting(value, info.shard.size)
     if setting is None or isinstance(setting, bool):
         return setting, None
     if info.spmd_mesh is not None:
@@ -113,20 +103,19 @@ def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> t
     return True, _post_forward_info(info, setting)
 
 
-def _post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
-    """This rank's k-rank group for ``reshard_after_forward=k``. Every rank creates every
-    group, in the same order, as ``new_group`` requires; as in torch, each fully_shard call
-    creates its own."""
-    n = info.shard_size
+def _post_forward_info(info: MeshInfo, k: int) -> Ranks:
+    """This rank's k-rank group. Every rank creates every group, in the same order, as
+    ``new_group`` requires; as in torch, each fully_shard call creates its own."""
+    n = info.shard.size
     rows = info.mesh.mesh.reshape(-1, n).tolist()  # the shard dim is last: a row per shard group
     me = dist.get_rank()
-    mine: PostForwardInfo | None = None
+    mine: Ranks | None = None
     for row in rows:
         for start in range(0, n, k):
             members = row[start : start + k]
             group = dist.new_group(members)
             if me in members:
-                mine = PostForwardInfo(group, k, members.index(me))
+                mine = Ranks(group, k, members.index(me))
     assert mine is not None, f"rank {me} is not in the mesh {rows}"
     return mine
 
@@ -134,7 +123,7 @@ def _post_forward_info(info: MeshInfo, k: int) -> PostForwardInfo:
 def separate_group(info: MeshInfo, made: dict[tuple[int, ...], dist.ProcessGroup], current: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """A process group of the shard ranks for reduce-scatters alone: one per set of ranks in
     ``made`` (one ``set_separate_reduce_scatter_group`` call), reusing the group's ``current`` one."""
-    ranks = tuple(dist.get_process_group_ranks(info.shard_group))
+    ranks = tuple(dist.get_process_group_ranks(info.shard.group))
     if ranks not in made:
         made[ranks] = current if current is not None else dist.new_group(list(ranks), use_local_synchronization=True)
     return made[ranks]
@@ -179,7 +168,7 @@ def mesh_info_of(obj: Any, fqn: str, made: list[MeshInfo]) -> MeshInfo:
             f"({type(obj).__name__}) holds no DeviceMesh: pass torch's FSDPMeshInfo or a DeviceMesh"
         )
     info = mesh_info_for(mesh, dims)
-    keys = [(i.shard_mesh_dim, i.shard_group, i.replicate_group, i.spmd_mesh) for i in (*made, info)]
+    keys = [(i.shard_mesh_dim, i.shard.group, i.replicate and i.replicate.group, i.spmd_mesh) for i in (*made, info)]
     same = [m for m, k in zip(made, keys) if k == keys[-1]]
     made += [] if same else [info]
     return same[0] if same else info

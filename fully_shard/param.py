@@ -132,7 +132,7 @@ class ShardedParam:
         self._ext_dtypes: list[torch.dtype] = []
         self._ext_outputs: list[torch.Tensor] | None = None  # 1-D, N slots each; freed when sharded
         self._ext_inner: list[torch.Tensor] = []  # the subclass's tensors that hold the gathered data
-        world, rank = mesh_info.shard_size, mesh_info.shard_rank
+        world, rank = mesh_info.shard.size, mesh_info.shard.rank
         self.shard_dim = shard_dim
         if shard_dim > 0 and self.size[shard_dim] % world:
             raise ValueError(
@@ -259,7 +259,7 @@ class ShardedParam:
         """This rank's part of a full (TP-local) tensor shaped like the parameter."""
         if self.shard_dim == 0:
             return full[self.row_start : self.row_start + self.local_rows]
-        return full.chunk(self.mesh_info.shard_size, dim=self.shard_dim)[self.mesh_info.shard_rank]
+        return full.chunk(self.mesh_info.shard.size, dim=self.shard_dim)[self.mesh_info.shard.rank]
 
     def full_to_sharded(self, full: torch.Tensor, key: str) -> DTensor:
         """A full tensor loaded into this parameter, as this rank's shard (a DTensor)."""
@@ -328,7 +328,7 @@ class ShardedParam:
     @property
     def unsharded_numel(self) -> int:
         """Elements of the padded unsharded buffer: world size x padded per-rank slot."""
-        return self.shard_numel * self.mesh_info.shard_size
+        return self.shard_numel * self.mesh_info.shard.size
 
     def alloc_unsharded(self) -> None:
         """Give the unsharded buffer its storage back (allocated on first use)."""
@@ -351,7 +351,7 @@ class ShardedParam:
         slot)``, or for a shard dim d > 0, a ``(world, *local_shape)`` strided view putting each
         rank's part in place. Made once: a view keeps following the storage's resizes."""
         assert self._padded_unsharded is not None
-        if world != self.mesh_info.shard_size:  # a k-rank post-forward gather of the flat buffer
+        if world != self.mesh_info.shard.size:  # a k-rank post-forward gather of the flat buffer
             return self._padded_unsharded.view(world, -1)
         if self._gather_out is None:
             d, size, flat = self.shard_dim, self.size, self._padded_unsharded
@@ -414,7 +414,7 @@ class ShardedParam:
         """The persistent all-gather outputs (storage given back after a reshard) as ``(world,
         ...)`` byte views like :meth:`gather_dest`'s: the subclass's unsharded tensors may alias
         them from the first all-gather on."""
-        world, d = self.mesh_info.shard_size, self.shard_dim
+        world, d = self.mesh_info.shard.size, self.shard_dim
         if self._ext_outputs is None:
             self._ext_outputs = [
                 torch.empty(world * math.prod(s), dtype=dt, device=self.device) for s, dt in zip(self._ext_sizes, self._ext_dtypes)
@@ -473,7 +473,7 @@ class ShardedParam:
         """Arrange a full gradient so its dim 0 splits into the ranks' parts (``_chunk_cat``)."""
         if self.shard_dim == 0:
             return grad
-        d, size, world = self.shard_dim, self.size, self.mesh_info.shard_size
+        d, size, world = self.shard_dim, self.size, self.mesh_info.shard.size
         return grad.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
 
 

@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function as _record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .comm import Ranks
 from .group import GroupState, ParamGroup, PendingReduce
-from .mesh import PostForwardInfo
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import Streams
@@ -150,7 +150,7 @@ class FSDPState:
 
     def __init__(
         self, modules: tuple[nn.Module, ...], group: ParamGroup | None, device: torch.device, reshard_after_forward: bool | None,
-        post_forward_ranks: PostForwardInfo | None, mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter],
+        post_forward_ranks: Ranks | None, mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter],
     ) -> None:
         self.modules = modules
         self.mp_policy = mp_policy
