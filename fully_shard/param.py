@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn as nn
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -79,11 +80,7 @@ def param_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[t
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(size):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
+    return tuple(make_contiguous_strides_for(size))
 
 
 class ShardedParam:
@@ -140,17 +137,14 @@ class ShardedParam:
                 f"{tuple(self.size)} on Shard({shard_dim}), which {world} ranks do not divide "
                 "evenly; only dim 0 may be uneven. Return Shard(0) (or None) for it."
             )
+        self.padded_shape = tuple(self.size)
         if shard_dim == 0:
             layout = shard_layout(self.size, world, rank)
             self.chunk_rows, self.row_start, self.local_rows = layout.chunk_rows, layout.row_start, layout.local_rows
-            self.shard_numel = layout.slot_numel  # padded per-rank slot
             self.padded_shape = (world * self.chunk_rows, *self.size[1:])
-            src = data.detach()[self.row_start : self.row_start + self.local_rows]
-        else:
-            src = data.detach().chunk(world, dim=shard_dim)[rank]
-            self.shard_numel = src.numel()
-            self.padded_shape = tuple(self.size)
+        src = self.local_part(data.detach())
         self.local_shape = src.shape
+        self.shard_numel = layout.slot_numel if shard_dim == 0 else src.numel()  # every rank's slot, dim 0 padded
 
         target = torch.device("meta") if param.is_meta else self.shard_device
         pin = pin_memory and offload and target.type == "cpu" and torch.accelerator.is_available()
@@ -169,7 +163,6 @@ class ShardedParam:
         self._spec = self._sharded_spec(param)
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local), requires_grad=param.requires_grad)
         self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
-        self._storage: tuple[torch.UntypedStorage, int] | None = None  # ... its storage, resized in place; full bytes
         self._gather_out: torch.Tensor | None = None  # (N, ...) view of it that the all-gather's copy-out fills
         self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (local shard, its 1-D view)
         self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
@@ -210,7 +203,6 @@ class ShardedParam:
     def _sharded_spec(self, param: nn.Parameter) -> DTensorSpec:
         info = self.mesh_info
         placement: Placement = Shard(self.shard_dim)
-        dp: tuple[Placement, ...]
         if info.spmd_mesh is not None:  # dp_mesh_dims: Shard the dp dims of the parameter's own mesh
             assert self.tp_spec is not None
             spmd, tp = info.spmd_mesh, self.tp_spec.placements
@@ -228,17 +220,14 @@ class ShardedParam:
             meshes = [info.mesh if i == first else spmd[names[i]] for i in keep]
             spec = [q for i in keep for q in ((Replicate(), placements[i]) if hsdp and i == first else (placements[i],))]
             return DTensorSpec(DeviceMesh._concatenate(meshes), tuple(spec), self.tp_spec.tensor_meta)
-        if self.tp_spec is None:
-            dp = (placement,) if info.replicate_mesh_dim is None else (Replicate(), placement)
-            meta = TensorMeta(param.shape, _contiguous_stride(param.shape), self.dtype)
-            return DTensorSpec(info.mesh, dp, meta)
-        # TP shards this dim into `split` pieces already: FSDP shards within each piece
-        split = self.tp_spec.num_shards_map[self.shard_dim]
-        if split > 1:
+        ts = self.tp_spec
+        split = 1 if ts is None else ts.num_shards_map[self.shard_dim]
+        if split > 1:  # TP shards this dim into `split` pieces already: FSDP shards within each piece
             placement = _StridedShard(self.shard_dim, split_factor=split)
-        dp = (placement,) if info.replicate_mesh_dim is None else (Replicate(), placement)
-        mesh = DeviceMesh._concatenate([info.mesh, self.tp_spec.mesh])
-        return DTensorSpec(mesh, dp + tuple(self.tp_spec.placements), self.tp_spec.tensor_meta)
+        dp = (placement,) if info.replicate is None else (Replicate(), placement)
+        if ts is None:
+            return DTensorSpec(info.mesh, dp, TensorMeta(param.shape, _contiguous_stride(param.shape), self.dtype))
+        return DTensorSpec(DeviceMesh._concatenate([info.mesh, ts.mesh]), dp + tuple(ts.placements), ts.tensor_meta)
 
     # -- sharded side ------------------------------------------------------------
 
@@ -332,19 +321,17 @@ class ShardedParam:
 
     def alloc_unsharded(self) -> None:
         """Give the unsharded buffer its storage back (allocated on first use)."""
-        if self._padded_unsharded is None:
-            self._padded_unsharded = torch.empty(self.unsharded_numel, dtype=self.unsharded_dtype, device=self.device)
-            storage = self._padded_unsharded.untyped_storage()
-            self._storage, self._gather_out = (storage, storage.nbytes()), None
-            data = self._padded_unsharded.view(self.padded_shape)[: self.size[0]]
-            if self.tp_spec is not None:
-                data = DTensor(data, self.tp_spec, requires_grad=False)
-            self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
+        if self._padded_unsharded is not None:
+            assert self.unsharded_param is not None
+            _alloc_storage(self._padded_unsharded)
+            self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
             return
-        assert self._storage is not None and self.unsharded_param is not None
-        if self._storage[0].nbytes() != self._storage[1]:
-            self._storage[0].resize_(self._storage[1])
-        self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
+        self._padded_unsharded = torch.empty(self.unsharded_numel, dtype=self.unsharded_dtype, device=self.device)
+        self._gather_out = None
+        data = self._padded_unsharded.view(self.padded_shape)[: self.size[0]]
+        if self.tp_spec is not None:
+            data = DTensor(data, self.tp_spec, requires_grad=False)
+        self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
 
     def gather_dest(self, world: int) -> torch.Tensor:
         """Where a gathered ``(world, slot)`` block lands: the flat buffer viewed as ``(world,
@@ -354,8 +341,8 @@ class ShardedParam:
         if world != self.mesh_info.shard.size:  # a k-rank post-forward gather of the flat buffer
             return self._padded_unsharded.view(world, -1)
         if self._gather_out is None:
-            d, size, flat = self.shard_dim, self.size, self._padded_unsharded
-            self._gather_out = flat.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0) if d else flat.view(world, -1)
+            flat = self._padded_unsharded
+            self._gather_out = self._rank_major(flat) if self.shard_dim else flat.view(world, -1)
         return self._gather_out
 
     def keep_post_forward_slice(self, k: int, index: int) -> None:
@@ -382,8 +369,8 @@ class ShardedParam:
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the tensor objects stay, so autograd's saved
         references see the data again after the next all-gather."""
-        if self._storage is not None:
-            self._storage[0].resize_(0)
+        if self._padded_unsharded is not None:
+            self._padded_unsharded.untyped_storage().resize_(0)
         for t in (self._ext_outputs or []) + self._ext_inner:
             t.untyped_storage().resize_(0)
 
@@ -471,10 +458,12 @@ class ShardedParam:
 
     def grad_for_reduce(self, grad: torch.Tensor) -> torch.Tensor:
         """Arrange a full gradient so its dim 0 splits into the ranks' parts (``_chunk_cat``)."""
-        if self.shard_dim == 0:
-            return grad
+        return self._rank_major(grad) if self.shard_dim else grad
+
+    def _rank_major(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (shard dim d > 0) viewed as ``(world, ...)``: entry r is rank r's part."""
         d, size, world = self.shard_dim, self.size, self.mesh_info.shard.size
-        return grad.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
+        return full.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
 
 
 def accumulate_sharded_grads(params: list[ShardedParam], flat: torch.Tensor) -> None:
