@@ -121,60 +121,43 @@ def fully_shard(
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh`` (ZeRO-3).
 
     Every parameter that ``module`` owns, and that no earlier (nested) ``fully_shard`` call
-    already owns, joins one group. Between iterations each is an ``nn.Parameter`` wrapping a
-    DTensor sharded on dim 0 (``torch.chunk`` semantics: the last ranks may hold fewer rows,
-    or none), so each rank keeps ``1/N`` of the parameters, gradients and optimizer state.
-    Just before the module's forward, one all-gather rebuilds the group's full parameters;
-    after forward they are freed (``reshard_after_forward``) and gathered again for backward;
-    after backward one reduce-scatter leaves each rank with the averaged gradient of its
-    rows, accumulated into the sharded ``.grad``. The module's class is swapped in place for
-    a subclass that also inherits :class:`FSDPModule`; nothing wraps it.
-
-    Call it bottom-up: on each block, then on the root. The first forward through an FSDP
-    module makes it the root; the root keeps its parameters after forward by default since
-    backward needs them first.
+    owns, joins one group. Between iterations each is an ``nn.Parameter`` wrapping a DTensor
+    sharded on dim 0 (``torch.chunk`` semantics), so each rank keeps ``1/N`` of the
+    parameters, gradients and optimizer state. One all-gather rebuilds the group's full
+    parameters before the module's forward; they are freed after it and gathered again for
+    backward; one reduce-scatter then leaves each rank the averaged gradient of its rows in
+    the sharded ``.grad``. The module's class is swapped in place for a subclass that also
+    inherits :class:`FSDPModule`; nothing wraps it. Call it bottom-up: on each block, then on
+    the root (the first module to run forward, which keeps its parameters after forward).
 
     Args:
-        module: a module, or a list of modules that form one group together. The group
-            is gathered when the first member starts forward and resharded when every
-            member has run; each member's inputs are cast by ``mp_policy``. A member the
-            model's forward skips (the chunked-loss pattern: ``fully_shard([model.norm,
-            model.output])``, the forward returns the normed hidden states, and the loss
-            calls ``model.output`` once per chunk) works as in torch: the group's forward
-            ends with the root's, its backward starts when the root's output gets its
-            gradient, and the skipped member may be called on its own afterwards, any
-            number of times, with ``set_requires_gradient_sync`` / ``set_is_last_backward``
-            accumulation and one backward per chunk.
+        module: a module, or a list of modules that form one group together, gathered
+            when the first member starts forward and resharded when every member has run.
+            A member the model's forward skips (a chunked loss calling ``model.output`` once
+            per chunk) works as in torch: the group's forward ends with the root's, and the
+            member may then be called on its own any number of times.
         mesh: the data-parallel :class:`DeviceMesh`. 1-D: FSDP, parameters ``Shard(0)``
             over it. 2-D, read as (replicate, shard): HSDP, parameters
             ``(Replicate(), Shard(0))``; gradients are reduce-scattered within the shard dim
-            and all-reduced across the replicate dim. A ``(N, 1)`` mesh is plain
-            replication (DDP through this API: one all-reduce per group). Default: a 1-D
-            mesh over the default process group on the current accelerator (CPU if none).
+            and all-reduced across the replicate dim (a ``(N, 1)`` mesh: DDP). Default: a
+            1-D mesh over the default process group on the current accelerator, else CPU.
         reshard_after_forward: ``True`` frees the full parameters after forward (gathered
-            again in backward); ``False`` keeps them until after backward (no backward
-            all-gather, more memory). An int ``k`` (a divisor of the shard size ``N``, e.g.
-            ranks per node) keeps each parameter sharded over ``k`` consecutive ranks after
-            forward, so the backward all-gather runs within them at the cost of ``k/N`` of
-            the parameters more memory; as in torch, ``k == N`` means ``True`` and ``k == 1``
-            means ``False`` (with a warning). ``None``: ``True`` except for the root.
+            again in backward); ``False`` keeps them until after backward (more memory). An
+            int ``k`` dividing the shard size ``N`` (e.g. ranks per node) keeps ``k/N`` of
+            them after forward, so backward all-gathers within ``k`` consecutive ranks;
+            ``k == N`` means ``True``, ``k == 1`` ``False``. ``None``: ``True`` but for the root.
         shard_placement_fn: called with each parameter; returns ``Shard(dim)`` to shard it
-            on ``dim`` (which the shard size must divide evenly when ``dim != 0``) or
-            ``None`` for the default ``Shard(0)``.
+            on ``dim`` (which the shard size must divide evenly when ``dim != 0``), a
+            :class:`ShardPlacementResult` (a mesh of its own too) or ``None`` (``Shard(0)``).
         mp_policy: dtypes for the all-gather and compute (``param_dtype``), the gradient
             reduction (``reduce_dtype``) and outputs; see :class:`MixedPrecisionPolicy`.
-            The sharded parameters, their gradients and optimizer state keep their own
-            dtype. Parameters of different dtypes may share a group: one all-gather per
-            unsharded dtype and one reduce-scatter per reduce dtype.
+            Sharded parameters, gradients and optimizer state keep their own dtype.
         offload_policy: :class:`CPUOffloadPolicy` keeps the sharded parameters, gradients
-            and optimizer state in host memory (``optimizer.step()`` runs on the CPU); they
-            are copied to the mesh device for the all-gather and back after the
-            reduce-scatter. On a CPU mesh everything already lives in host memory, so it
-            changes nothing there (and never pins memory without an accelerator).
-        ignored_params: parameters left alone: not sharded, not moved, gradients not reduced.
-            Each must be a parameter of ``module`` (``ValueError`` otherwise). The root's
-            first forward refuses a trainable parameter of the enclosing model that no
-            ``fully_shard`` call shards or ignores (a forgotten ``fully_shard(model)``).
+            and optimizer state in host memory (``optimizer.step()`` runs on the CPU),
+            copied to the mesh device for each all-gather and back after each reduce-scatter.
+        ignored_params: parameters of ``module`` left alone: not sharded, not moved,
+            gradients not reduced. The root's first forward refuses a trainable parameter of
+            the enclosing model that no call shards or ignores (a forgotten ``fully_shard(model)``).
         dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every
             parameter a DTensor on it, ``Replicate()`` on the data-parallel dims this names;
             fully_shard shards over ``shard`` (HSDP: replicates over ``replicate``) and the

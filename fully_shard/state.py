@@ -199,57 +199,47 @@ class FSDPState:
         called outside the root's forward are closed at the end of backward.
         """
         if len(self.modules) == 1:
-            module = self.modules[0]
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False)
-            return
-
-        @_not_traced
-        def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            if self.training_state is TrainingState.FORWARD:
-                # another member of the open pass: the group is gathered (again, after a reshard
-                # in between, e.g. an explicit reshard()) and the member's inputs cast
-                with record_function("fully_shard::pre_forward"):
-                    if self.group is not None:
-                        self.group.unshard()
-                    return self._cast_inputs(args, kwargs)
-            if self.training_state is not TrainingState.PRE_BACKWARD:  # not a recomputation
-                self.to_run = set(self.modules)
-            return self._pre_forward_hook(module, args, kwargs)
-
-        @_not_traced
-        def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if module in self.to_run:
-                self.to_run.discard(module)
-                if not self.to_run:
-                    return self._post_forward_hook(module, args, output)
-            elif self.training_state is TrainingState.PRE_BACKWARD:
-                return self._post_forward_hook(module, args, output)
-            if torch.is_grad_enabled() and self.group is not None:
-                # the pass stays open, so these outputs get no pre-backward hook; should the
-                # group be resharded before their backward (an explicit reshard()), gather it
-                # again rather than let backward read freed storage
-                _map_tensors(functools.partial(self._hook_regather, self.lazy_init()), output)
-            return self._cast_output(output)
-
+            pre_hook = _not_traced(lambda module, args, kwargs: self.pre_forward(args, kwargs))
+            post_hook = _not_traced(lambda module, args, output: self.post_forward(output))
+        else:
+            pre_hook, post_hook = self._member_pre_forward, self._member_post_forward
         for module in self.modules:
             module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_hook, prepend=False)
+
+    @_not_traced
+    def _member_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self.training_state is TrainingState.FORWARD:
+            # another member of the open pass: the group is gathered (again, after a reshard
+            # in between, e.g. an explicit reshard()) and the member's inputs cast
+            with record_function("fully_shard::pre_forward"):
+                if self.group is not None:
+                    self.group.unshard()
+                return self._cast_inputs(args, kwargs)
+        if self.training_state is not TrainingState.PRE_BACKWARD:  # not a recomputation
+            self.to_run = set(self.modules)
+        return self.pre_forward(args, kwargs)
+
+    @_not_traced
+    def _member_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if module in self.to_run:
+            self.to_run.discard(module)
+            if not self.to_run:
+                return self.post_forward(output)
+        elif self.training_state is TrainingState.PRE_BACKWARD:
+            return self.post_forward(output)
+        if torch.is_grad_enabled() and self.group is not None:
+            # the pass stays open, so these outputs get no pre-backward hook; should the
+            # group be resharded before their backward (an explicit reshard()), gather it
+            # again rather than let backward read freed storage
+            _on_grad(output, functools.partial(self._regather, self.lazy_init()))
+        return self._cast_output(output)
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _map_tensors(_floating_cast(mp.param_dtype), (args, kwargs))
         return args, kwargs
-
-    @_not_traced
-    def _pre_forward_hook(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        result: tuple[Any, Any] = self.pre_forward(args, kwargs)
-        return result
-
-    @_not_traced
-    def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return self.post_forward(output)
 
     # -- lazy root initialisation -------------------------------------------------------
 
@@ -374,7 +364,7 @@ class FSDPState:
             if torch.is_grad_enabled():
                 self._post_forward_index = len(ctx.post_forward_order)
                 ctx.post_forward_order.append(self)
-                output = self._hook_outputs(ctx, output)
+                _on_grad(output, functools.partial(self.pre_backward, ctx))
             if self.is_root:
                 output = self._root_post_forward(ctx, output)
         return self._cast_output(output)
@@ -471,9 +461,9 @@ class FSDPState:
                 # a backward reached this group: it owes a post-backward, even when several
                 # forwards ran before their backwards (pipelining: F0 F1 B0 B1)
                 self.group.needs_post_backward = True
-            if self.group is not None and self.group.unshard_in_backward:
-                self.group.unshard()
-                self._prefetch(self._backward_prefetch_targets(ctx))
+                if self.group.unshard_in_backward:
+                    self.group.unshard()
+                    self._prefetch(self._backward_prefetch_targets(ctx))
 
     def _backward_prefetch_targets(self, ctx: RootContext) -> list[FSDPState]:
         if self.backward_prefetch is not None:
@@ -525,24 +515,21 @@ class FSDPState:
         result: tuple[Any, Any] = tree_unflatten(leaves, spec)
         return result
 
-    def _hook_outputs(self, ctx: RootContext, output: Any) -> Any:
-        def hook(t: torch.Tensor) -> torch.Tensor:
-            if t.requires_grad:
-                t.register_hook(lambda grad: self.pre_backward(ctx))
-            return t
+    def _regather(self, ctx: RootContext) -> None:
+        ctx.queue_finalize()
+        if self.group is not None:
+            self.group.unshard()
 
-        _map_tensors(hook, output)
-        return output
 
-    def _hook_regather(self, ctx: RootContext, t: torch.Tensor) -> torch.Tensor:
-        def regather(grad: torch.Tensor) -> None:
-            ctx.queue_finalize()
-            if self.group is not None:
-                self.group.unshard()
+def _on_grad(output: Any, fn: Callable[[], None]) -> None:
+    """Call ``fn`` whenever a gradient reaches a tensor of ``output`` that requires grad."""
 
+    def hook(t: torch.Tensor) -> torch.Tensor:
         if t.requires_grad:
-            t.register_hook(regather)
+            t.register_hook(lambda grad: fn())
         return t
+
+    _map_tensors(hook, output)
 
 
 def _register_state_dict_hooks(group: ParamGroup) -> None:
