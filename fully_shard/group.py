@@ -174,14 +174,14 @@ class ParamGroup:
             self._move_to(GroupState.UNSHARDED)
         if self.state is not GroupState.UNSHARDED:
             keep = None
-        self.post_forward = keep
-        if self.state is GroupState.UNSHARDED:
+        else:
             for p in self.params:
                 p.check_unsharded_version()
             for p in self.params:
                 if keep is not None:
                     p.keep_post_forward_slice(keep.size, keep.rank)
                 p.free_unsharded()
+        self.post_forward = keep
         for p in self.params:
             if keep is None:
                 p.post_forward_slice = None
@@ -236,8 +236,7 @@ class ParamGroup:
         which parameters are used must then be the same on every rank.
         """
         self.needs_post_backward = False
-        with_grad: list[ShardedParam] = []
-        grads: dict[int, torch.Tensor] = {}
+        grads: dict[ShardedParam, torch.Tensor] = {}  # the parameters to reduce, in order
         for p in self.params:
             grad = p.unsharded_grad
             if grad is not None:
@@ -256,36 +255,33 @@ class ParamGroup:
                 p.accumulated_grad = grad if grad.dtype == p.reduce_dtype else grad.to(p.reduce_dtype)
                 continue
             p.accumulated_grad = None
-            with_grad.append(p)
-            grads[id(p)] = grad
-        if with_grad and self._alias_grads(with_grad, grads):
-            for p in with_grad:
-                accumulate_sharded_grads([p], grads[id(p)].view(-1))
+            grads[p] = grad
+        if grads and self._alias_grads(grads):
+            for p, grad in grads.items():
+                accumulate_sharded_grads([p], grad.view(-1))
             return None
-        if not with_grad:
+        if not grads:
             return None
-        reductions = []
         streams = self._streams()
         streams.wait_for_current("reduce_scatter")  # the gradients were computed there
-        with streams.use("reduce_scatter"):
-            for bucket in _buckets(with_grad, lambda p: p.reduce_dtype):  # one per reduce dtype
-                reductions.append((self._reduce_scatter(bucket, grads), bucket))
+        with streams.use("reduce_scatter"):  # one per reduce dtype and mesh
+            reductions = [(self._reduce_scatter(bucket, grads), bucket) for bucket in _buckets(list(grads), lambda p: p.reduce_dtype)]
         # streams: the gradients are read on the reduce-scatter stream, held until its wait; without, packed already: freed
         return PendingReduce(self, reductions, self.requires_all_reduce, list(grads.values()) if streams.backend is not None else [])
 
-    def _alias_grads(self, params: list[ShardedParam], grads: dict[int, torch.Tensor]) -> bool:
-        """Whether reducing ``params``' gradients is the identity (one rank, no replicas, no
-        divide factor, hook or cast): each sharded gradient is then its unsharded one, no copy."""
+    def _alias_grads(self, grads: dict[ShardedParam, torch.Tensor]) -> bool:
+        """Whether reducing these gradients is the identity (one rank, no replicas, no divide
+        factor, hook or cast): each sharded gradient is then its unsharded one, no copy."""
         if self.gradient_divide_factor is not None or self.all_reduce_hook is not None or self.force_sum_reduction:
             return False
         return all(p.mesh_info.shard.size == 1 and p.mesh_info.replicate is None and p.reduce_dtype == p.dtype == g.dtype
-                   and g.device == p.shard_device and g.is_contiguous() for p in params for g in (grads[id(p)],))
+                   and g.device == p.shard_device and g.is_contiguous() for p, g in grads.items())
 
-    def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[int, torch.Tensor]) -> comm.ReduceScatterWork:
+    def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[ShardedParam, torch.Tensor]) -> comm.ReduceScatterWork:
         info = bucket[0].mesh_info
         ranks = dataclasses.replace(info.shard, group=self.reduce_scatter_groups.get(id(info), info.shard.group))
         return comm.reduce_scatter(
-            [p.grad_for_reduce(grads[id(p)]) for p in bucket], ranks, bucket[0].reduce_dtype,
+            [p.grad_for_reduce(grads[p]) for p in bucket], ranks, bucket[0].reduce_dtype,
             dp_size=ranks.size * (info.replicate.size if info.replicate else 1), divide_factor=self.gradient_divide_factor,
             force_sum=self.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients", label=self.label,
             custom=self.reduce_scatter_comm,
