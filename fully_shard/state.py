@@ -189,14 +189,11 @@ class FSDPState:
     def _register_hooks(self) -> None:
         """Forward hooks on the module(s).
 
-        A multi-module group opens a *pass* when the first of its members starts forward
-        (``pre_forward``: unshard, prefetch, hook the inputs) and closes it when every member
-        has run (``post_forward``). A member that runs while the pass is open only gets its
-        inputs cast and the group gathered (the chunked-loss pattern calls ``head`` once per
-        chunk); a member that ends without closing the pass only gets its output cast. A
-        pass that some member never joins (the model's forward skips ``head``) is closed by
-        the root's post-forward (``_root_post_forward``), and passes opened by members
-        called outside the root's forward are closed at the end of backward.
+        A multi-module group opens a *pass* when its first member starts forward
+        (``pre_forward``) and closes it when every member has run (``post_forward``); a member
+        running inside the open pass (a chunked loss calls ``head`` once per chunk) only gets
+        the group gathered and its inputs and output cast. The root's post-forward closes a
+        pass some member never joined; the end of backward, one opened outside the root's forward.
         """
         if len(self.modules) == 1:
             pre_hook = _not_traced(lambda module, args, kwargs: self.pre_forward(args, kwargs))
@@ -284,14 +281,9 @@ class FSDPState:
         return ctx
 
     def _check_enclosing_model(self) -> None:
-        """Refuse a root inside a model whose own trainable parameters nobody shards.
-
-        The forgotten ``fully_shard(model)``: blocks sharded, the model not. Each block then
-        becomes a root, and the model's own parameters (embeddings, norm, output) are plain
-        tensors whose gradients are never averaged across ranks: every rank trains its own
-        copy. The enclosing model is the outermost module whose forward is running (found
-        once, at lazy init, on the Python stack).
-        """
+        """Refuse a root inside a model whose own trainable parameters nobody shards (the
+        forgotten ``fully_shard(model)``: each rank would train its own copy of them). The
+        enclosing model is the outermost module whose forward is running, on the Python stack."""
         mine = set(self.modules)
         outer: nn.Module | None = None
         frame: FrameType | None = sys._getframe(1)
@@ -410,13 +402,9 @@ class FSDPState:
         )
 
     def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
-        """Close the open passes, then reshard groups prefetched for a module that did not run.
-
-        A group whose forward pass is still open when the root's forward ends has a member
-        the model's forward skipped (called later on its own, or not at all): its
-        post-forward runs now, as if it ended with the root. Its backward then starts when
-        the root's output gets its gradient (innermost groups first, as nested post-forwards
-        would have run)."""
+        """Close the passes still open (a member the model's forward skipped: they end with the
+        root's, innermost first, so their backward starts with the root output's gradient),
+        then reshard groups prefetched for a module that did not run."""
         for state in reversed(ctx.states):
             if state is not self and state.to_run and state.training_state is TrainingState.FORWARD:
                 output = state.post_forward(output)
@@ -533,15 +521,9 @@ def _on_grad(output: Any, fn: Callable[[], None]) -> None:
 
 
 def _register_state_dict_hooks(group: ParamGroup) -> None:
-    """``state_dict()`` and ``load_state_dict()`` (full tensors, ``assign=True``) of sharded
-    parameters, on every module that registers one of the group's parameters.
-
-    Saving between forward and backward, when the full parameters are registered, saves
-    the shards. Before loading, the group is resharded (the loaded values go into the
-    shards; the next use gathers them) and a full (plain) tensor under a sharded
-    parameter's key becomes this rank's shard; after an ``assign=True`` load, the newly
-    assigned DTensor parameter becomes the group's sharded parameter.
-    """
+    """``state_dict()`` and ``load_state_dict()`` hooks on every module that registers one of
+    the group's parameters: saving always saves the shards; loading reshards first, cuts a full
+    tensor to this rank's shard, and adopts a DTensor an ``assign=True`` load registered."""
     by_module: dict[nn.Module, dict[str, ShardedParam]] = {}
     for sp in group.params:
         for m, name in sp.uses:
