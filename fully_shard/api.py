@@ -299,9 +299,9 @@ def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], l
         )
 
 
-def _outermost(module: nn.Module) -> nn.Module:
-    """The outermost live module holding ``module`` (through parents' ``_modules``), found
-    by a scan of the garbage collector's live objects: for error messages only."""
+def _paths(module: nn.Module) -> dict[int, str]:
+    """id(module) -> its name in the outermost live model holding ``module`` (through parents'
+    ``_modules``, found by a scan of the garbage collector's live objects): for error messages only."""
     import gc
 
     parents: dict[int, nn.Module] = {}
@@ -314,18 +314,17 @@ def _outermost(module: nn.Module) -> nn.Module:
     while id(module) in parents and id(parents[id(module)]) not in seen:
         module = parents[id(module)]
         seen.add(id(module))
-    return module
+    paths: dict[int, str] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name)
+    return paths
 
 
 def _tie_names(fqn: str, modules: tuple[nn.Module, ...], owner: _Owner) -> tuple[str, str, str, str]:
     """(this call, this parameter, the owner's parameter, the owner's call), each by its name in
     the outermost model that holds both calls' modules where there is one, else by the calls'
     module classes and the parameters' names under them."""
-    owner_modules = owner.modules
-    top = _outermost(modules[0])
-    paths: dict[int, str] = {}
-    for name, m in top.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), name)
+    owner_modules, paths = owner.modules, _paths(modules[0])
 
     def name_in(mods: tuple[Any, ...], local: str) -> str | None:
         index, rest = local.split(".", 1) if len(mods) > 1 else ("0", local)
@@ -543,9 +542,8 @@ class FSDPModule:
         return None
 
     def reset_iter_state(self) -> None:
-        """After an exception in forward or backward, return every group to its sharded,
-        idle state so training can go on. Call it on the root. The failed iteration's
-        gradients (and any accumulated with sync off) are dropped."""
+        """After an exception in forward or backward, return every group to its sharded, idle
+        state, dropping the failed iteration's gradients. Call it on the root."""
         state_of(self).reset_iter_state()  # type: ignore[arg-type]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
@@ -607,9 +605,8 @@ class FSDPModule:
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce-scatter zeros for parameters that got no gradient this backward, so ranks
-        that use different parameters of a group (mixture-of-experts routing, multi-modal
-        branches) still issue the same collective (DDP's ``find_unused_parameters``). The
-        group's module must run forward on every rank.
+        using different parameters of a group (mixture-of-experts routing) still issue the same
+        collective. The group's module must run forward on every rank.
 
         Example::
 
@@ -643,10 +640,9 @@ class FSDPModule:
         self._set("reduce_scatter_comm", comm, False)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
-        """Call ``hook(output)`` on each reduced flat gradient shard before it is divided and
-        accumulated: the reduce-scatter output (FSDP) or the all-reduce output (HSDP), e.g. to
-        all-reduce across replicas yourself. ``stream`` is only allowed without HSDP, as in
-        torch; the hook runs on the reduce-scatter stream here (the CPU has none)."""
+        """Call ``hook(output)`` on each reduced flat gradient shard (the reduce-scatter or,
+        HSDP, the all-reduce output) before it is divided and accumulated. ``stream`` is only
+        allowed without HSDP, as in torch; the hook runs on the reduce-scatter stream here."""
         for group in self._groups(recurse=False):
             if stream is not None and group.mesh_info.replicate is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (a 2-D mesh)")
@@ -663,9 +659,8 @@ class FSDPModule:
         self._set("force_sum_reduction", enable, False)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Validated and recorded for torch compatibility; fully_shard frees each reduce-scatter
-        input when its reduction finishes (at most two reductions are in flight), so the value
-        does not change behaviour."""
+        """Validated and recorded for torch compatibility; no effect: fully_shard frees each
+        reduce-scatter input when its reduction finishes (at most two are in flight)."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
@@ -673,9 +668,8 @@ class FSDPModule:
         self._set("max_input_buffers", max_input_buffers, recurse)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Run reduce-scatters on a process group of their own (one per set of shard ranks
-        per call, as in torch, created here: call it on every rank), so they can overlap
-        with all-gathers."""
+        """Run reduce-scatters on process groups of their own (one per set of shard ranks per
+        call, created here: call it on every rank), so they can overlap with all-gathers."""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
             infos = {id(p.mesh_info): p.mesh_info for p in group.params}  # one per mesh of the call
@@ -683,8 +677,7 @@ class FSDPModule:
             group.reduce_scatter_groups = {k: separate_group(i, made, old.get(k)) for k, i in infos.items()} if enable else {}
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported: ``True`` raises (a NCCL allocation optimisation; fully_shard
-        allocates communication buffers with the ordinary allocator). ``False`` is a no-op."""
+        """Not supported: ``True`` raises (a NCCL allocation optimisation); ``False`` is a no-op."""
         if enable:
             raise NotImplementedError(
                 f"{type(self).__name__}.set_allocate_memory_from_process_group_for_comm(True): fully_shard "
@@ -693,8 +686,7 @@ class FSDPModule:
             )
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """Not supported: raises. Symmetric-memory all-gathers need NCCL's symmetric memory,
-        which fully_shard does not use (and gloo has none)."""
+        """Not supported: raises (NCCL symmetric-memory all-gathers)."""
         raise NotImplementedError(
             f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): fully_shard does not support "
             "symmetric-memory all-gathers (a NCCL-only optimisation; gloo has no symmetric memory). "
@@ -738,7 +730,7 @@ def _states_of(caller: nn.Module | None, modules: list[Any], method: str) -> lis
 
 def _name_in_model(anchor: nn.Module, module: Any) -> str:
     """``module``'s fully-qualified name in the outermost model that holds ``anchor``."""
-    name = next((name for name, m in _outermost(anchor).named_modules() if m is module), None)
+    name = _paths(anchor).get(id(module))
     if name is None:
         return repr(type(module).__name__)
     return repr(name) if name else "the root module"
