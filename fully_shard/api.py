@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any, Literal
 
 import torch
@@ -20,7 +18,7 @@ from .group import ParamGroup
 from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
 from .param import OWNER_ATTR, ShardedParam
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .state import STATE_ATTR, FSDPState, state_of
+from .state import STATE_ATTR, FSDPState, callers_self, state_of
 from .streams import Streams
 
 
@@ -96,10 +94,7 @@ class _ReplacedParameter(nn.Parameter):
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         owner: _Owner = self.__dict__[OWNER_ATTR]
-        frame: FrameType | None = sys._getframe(1)  # the optimizer reading it, if one is
-        while frame is not None and not isinstance(frame.f_locals.get("self"), torch.optim.Optimizer):
-            frame = frame.f_back
-        who = type(frame.f_locals["self"]).__name__ if frame is not None else "This code"
+        who = next((type(o).__name__ for o in callers_self() if isinstance(o, torch.optim.Optimizer)), "This code")
         raise RuntimeError(
             f"{who} holds parameter {owner.fqn!r} of {owner.label} as it was before fully_shard "
             "replaced it with a sharded DTensor: this step would update a tensor the model no "

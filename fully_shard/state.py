@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from enum import Enum, auto
 from types import FrameType
 from typing import Any
@@ -286,13 +286,9 @@ class FSDPState:
         enclosing model is the outermost module whose forward is running, on the Python stack."""
         mine = set(self.modules)
         outer: nn.Module | None = None
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None:
-            obj = frame.f_locals.get("self")
-            if isinstance(obj, nn.Module) and obj not in mine and obj is not outer:
-                if any(m in mine for m in obj.modules()):
-                    outer = obj
-            frame = frame.f_back
+        for obj in callers_self():
+            if isinstance(obj, nn.Module) and obj not in mine and obj is not outer and any(m in mine for m in obj.modules()):
+                outer = obj
         if outer is None:
             return
         known: set[int] = set()  # the parameters some fully_shard call shards or ignores
@@ -567,15 +563,9 @@ def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            new = _map_tensors(fn, value)
-            if new is not value:
-                changes[f.name] = new
-        if not changes:
-            return obj
-        if all(f.init for f in dataclasses.fields(obj) if f.name in changes):
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        changes = {k: new for k in fields if (new := _map_tensors(fn, getattr(obj, k))) is not getattr(obj, k)}
+        if changes and all(fields[k].init for k in changes):
             return dataclasses.replace(obj, **changes)
         for name, value in changes.items():  # fields outside __init__: set in place
             object.__setattr__(obj, name, value)
@@ -605,6 +595,14 @@ def _floating_cast(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]
 
 def _to_device(tree: Any, device: torch.device) -> Any:
     return _map_tensors(lambda t: t.to(device, non_blocking=True), tree)
+
+
+def callers_self() -> Iterator[Any]:
+    """The ``self`` of every frame on the Python stack, innermost first (None where there is none)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        yield frame.f_locals.get("self")
+        frame = frame.f_back
 
 
 def state_of(module: nn.Module) -> FSDPState:
