@@ -294,28 +294,25 @@ class ParamGroup:
         optimizer sees the gradients and the held unsharded gradients may be freed."""
         streams = self._streams()
         with streams.use("reduce_scatter"):
-            self._finish_reduce(pending)
+            for work, params in pending.reductions:
+                info = params[0].mesh_info
+                output = work.wait()  # 1-D, the packed padded shards of params
+                key = tuple(id(p) for p in params)
+                partial = self._partials.pop(key, None)
+                if partial is not None:
+                    output.add_(partial)
+                if info.replicate is not None:
+                    if not pending.all_reduce:
+                        self._partials[key] = output  # reduced within the shard group only
+                        continue
+                    comm.all_reduce(output, info.replicate.group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label)
+                if self.all_reduce_hook is not None:
+                    self.all_reduce_hook(output)
+                if work.post_divide is not None and work.post_divide != 1:
+                    output.div_(work.post_divide)
+                accumulate_sharded_grads(params, output)
         streams.current_waits(streams.record("reduce_scatter"))
         pending.held = []
-
-    def _finish_reduce(self, pending: PendingReduce) -> None:
-        for work, params in pending.reductions:
-            info = params[0].mesh_info
-            output = work.wait()  # 1-D, the packed padded shards of params
-            key = tuple(id(p) for p in params)
-            partial = self._partials.pop(key, None)
-            if partial is not None:
-                output.add_(partial)
-            if info.replicate is not None:
-                if not pending.all_reduce:
-                    self._partials[key] = output  # reduced within the shard group only
-                    continue
-                comm.all_reduce(output, info.replicate.group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label)
-            if self.all_reduce_hook is not None:
-                self.all_reduce_hook(output)
-            if work.post_divide is not None and work.post_divide != 1:
-                output.div_(work.post_divide)
-            accumulate_sharded_grads(params, output)
 
 
 def _buckets(params: list[ShardedParam], key: Callable[[ShardedParam], torch.dtype]) -> list[list[ShardedParam]]:

@@ -371,7 +371,7 @@ class FSDPState:
         if not any(s.group is not None and s.group.needs_post_backward for s in ctx.states):
             ctx.post_forward_order = []  # no backward is owed: any older order is stale
         if self.device.type != "cpu":
-            args, kwargs = _to_device((args, kwargs), self.device)
+            args, kwargs = _map_tensors(lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
         return args, kwargs
 
     def _check_registered_params(self, ctx: RootContext) -> None:
@@ -591,10 +591,6 @@ def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
 
 def _floating_cast(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: t.to(dtype) if t.is_floating_point() else t
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    return _map_tensors(lambda t: t.to(device, non_blocking=True), tree)
 
 
 def callers_self() -> Iterator[Any]:
