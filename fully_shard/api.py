@@ -441,15 +441,10 @@ class UnshardHandle:
         >>> handle.wait()  # block's full parameters are now in place
     """
 
+    _group: ParamGroup | None = None  # set by unshard()
+
     def wait(self) -> None:
         """Block until the all-gather finished and the full parameters are in place."""
-
-
-class _GroupUnshardHandle(UnshardHandle):
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
-
-    def wait(self) -> None:
         if self._group is not None:
             self._group.wait_for_unshard()
             self._group = None
@@ -530,7 +525,8 @@ class FSDPModule:
             for p in group.params:
                 p.check_materialized()
             group.unshard(async_op=True)
-        handle = _GroupUnshardHandle(group)
+        handle = UnshardHandle()
+        handle._group = group
         if async_op:
             return handle
         handle.wait()
