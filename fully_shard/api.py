@@ -319,24 +319,20 @@ def _tie_names(fqn: str, modules: tuple[nn.Module, ...], owner: _Owner) -> tuple
     """(this call, this parameter, the owner's parameter, the owner's call), each by its name in
     the outermost model that holds both calls' modules where there is one, else by the calls'
     module classes and the parameters' names under them."""
-    owner_modules, paths = owner.modules, _paths(modules[0])
+    paths = _paths(modules[0])
 
-    def name_in(mods: tuple[Any, ...], local: str) -> str | None:
+    def where(mods: tuple[nn.Module, ...], local: str) -> tuple[str, str] | None:  # (the call, the parameter)
         index, rest = local.split(".", 1) if len(mods) > 1 else ("0", local)
         base = paths.get(id(mods[int(index)]))
-        return None if base is None else (f"{base}.{rest}" if base else rest)
+        classes = [(type(m).__bases__[1] if type(m).__bases__[0] is FSDPModule else type(m)).__name__ for m in mods]  # FSDP<cls>
+        calls = [f"{paths[id(m)]} ({c})" if paths.get(id(m)) else c for m, c in zip(mods, classes)]
+        call = calls[0] if len(mods) == 1 else "[" + ", ".join(calls) + "]"
+        return None if base is None else (call, f"{base}.{rest}" if base else rest)
 
-    def call(mods: tuple[Any, ...]) -> str:
-        def one(m: nn.Module) -> str:
-            cls = type(m).__bases__[1] if type(m).__bases__[0] is FSDPModule else type(m)  # FSDP<cls>
-            return f"{paths[id(m)]} ({cls.__name__})" if paths.get(id(m)) else cls.__name__
-
-        return ", ".join(map(one, mods)) if len(mods) == 1 else "[" + ", ".join(map(one, mods)) + "]"
-
-    mine, theirs = name_in(modules, fqn), name_in(owner_modules, owner.fqn)
+    mine, theirs = where(modules, fqn), where(owner.modules, owner.fqn)
     if mine is None or theirs is None:
         return ", ".join(type(m).__name__ for m in modules), fqn, owner.fqn, owner.label
-    return call(modules), mine, theirs, call(owner_modules)
+    return mine[0], mine[1], theirs[1], theirs[0]
 
 
 def _collect_params(
