@@ -485,6 +485,29 @@ def make_plots(results: dict[str, Any], out_dir: str, stem: str) -> tuple[list[s
         plt.close(fig)
         paths.append(path)
 
+    ovh = results.get("overhead") or {}
+    runs = [(r, title) for r, title in ((ovh.get("result"), "world size 1"), ((ovh.get("two_ranks") or {}).get("result"), "2 ranks")) if r]
+    if runs:  # issue 20: library overhead (median minus the plain model's) per phase
+        fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+        phases, impls = ("forward", "backward", "optimizer", "step"), ("fully_shard", "fully_shard_local_step", "torch_fsdp2")
+        labels = {"fully_shard": "fully_shard", "fully_shard_local_step": "fully_shard + local_step", "torch_fsdp2": "torch FSDP2"}
+        for ax, (r, title) in zip(axes[0], runs):
+            med = r["median_s"]
+            for i, impl in enumerate(impls):
+                ys = [(med[impl][ph] - med["plain"][ph]) * 1e3 for ph in phases]
+                ax.bar([x + (i - 1) * 0.27 for x in range(len(phases))], ys, width=0.27, label=labels[impl])
+            ax.set_xticks(range(len(phases)))
+            ax.set_xticklabels(["forward", "backward", "optimizer.step\n+ zero_grad", "whole step"], fontsize=8)
+            ax.set_ylabel("overhead vs the plain model (ms, median)")
+            ax.set_title(f"framework overhead, {title}")
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{stem}-overhead.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+
     cfgs = [c for c in results["configs"] if _ok(c)]
     if cfgs:
         fig, ax = plt.subplots(figsize=(max(4, 1.5 * len(cfgs)), 4))
