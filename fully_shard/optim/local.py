@@ -87,9 +87,9 @@ def local_step(optimizer: OptimizerT, *, elementwise: bool = False) -> Optimizer
     has been overridden" warning). ``torch.compile`` of the step (``torch.compile(opt.step)``
     or a compiled function that calls ``opt.step()``, before or after ``local_step``)
     compiles the optimizer's own step on the local tensors; the swaps run eagerly around it.
-    Calling it twice changes nothing. A deep copy or a pickle
-    of the optimizer is not wrapped (``Optimizer.__getstate__`` keeps only ``defaults``,
-    ``state`` and ``param_groups``): wrap the copy again.
+    Calling it twice changes nothing. A deep copy or a pickle of the optimizer is not
+    wrapped (``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and
+    ``param_groups``): wrap the copy again.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over fully_shard's (or torch FSDP2's)
