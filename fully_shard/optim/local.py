@@ -75,16 +75,21 @@ def local_step(optimizer: OptimizerT, *, elementwise: bool = False) -> Optimizer
     another optimizer whose update of each element reads only the same element of the
     parameter, its gradient and its states (and scalars), pass ``elementwise=True``. An
     optimizer that needs whole parameters (``full_tensor()``, norms, matrix products:
-    Muon, Shampoo, Adafactor, LBFGS) must step on the DTensors: do not wrap it.
+    Muon, Shampoo, Adafactor, LBFGS) must step on the DTensors: do not wrap it (wrapped with
+    ``elementwise=True``, one that calls a DTensor-only method such as ``full_tensor()``
+    raises ``TypeError`` at ``step()``).
 
     A ``closure`` passed to ``step`` is called first, with gradients enabled, then the step
     runs without it (``torch.optim``'s elementwise optimizers call it first too). Hooks
     registered with ``register_step_pre_hook`` / ``register_step_post_hook`` run inside the
     local step and see the local tensors. Call ``local_step`` before creating an LR
     scheduler (either order works; this one avoids the scheduler's "optimizer.step()
-    has been overridden" warning). Calling it twice changes nothing. A deep copy or a pickle
-    of the optimizer is not wrapped (``Optimizer.__getstate__`` keeps only ``defaults``,
-    ``state`` and ``param_groups``): wrap the copy again.
+    has been overridden" warning). ``torch.compile`` of the step (``torch.compile(opt.step)``
+    or a compiled function that calls ``opt.step()``, before or after ``local_step``)
+    compiles the optimizer's own step on the local tensors; the swaps run eagerly around it.
+    Calling it twice changes nothing. A deep copy or a pickle of the optimizer is not
+    wrapped (``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and
+    ``param_groups``): wrap the copy again.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over fully_shard's (or torch FSDP2's)
@@ -122,10 +127,18 @@ def local_step(optimizer: OptimizerT, *, elementwise: bool = False) -> Optimizer
         undo: list[_Swapped] = []
         groups: _Groups = []
         try:
-            _swap_in(opt, undo, groups)
+            _swap_in_eagerly(opt, undo, groups)
             inner(opt) if bound else inner()
+        except AttributeError as e:  # e.g. p.full_tensor() on a local tensor: not elementwise
+            if e.name is None or not hasattr(DTensor, e.name) or hasattr(torch.Tensor, e.name):
+                raise
+            raise TypeError(
+                f"local_step: {type(opt).__qualname__}.step uses {e.name!r}, which only DTensors have, so it is not "
+                "elementwise: inside local_step it sees each DTensor parameter's local tensor. Step it on the DTensors: "
+                "do not wrap it with local_step (drop elementwise=True)"
+            ) from e
         finally:
-            _swap_out(opt, undo, groups)
+            _swap_out_eagerly(opt, undo, groups)
         return loss
 
     step._fully_shard_local_step = True  # type: ignore[attr-defined]
@@ -217,6 +230,14 @@ def _swap_out(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups)
     _rekey(opt.state, {id(e.local): e for e in undo}, lambda e: e.param, _state_back)
     for entry in undo:
         entry.local.grad = None
+
+
+# Both swaps run eagerly under torch.compile: traced, they would add graphs of their own and
+# recompile once per new state tensor (a guard on its identity). So a compiled step
+# (``torch.compile(opt.step)``) compiles the optimizer's own step, on the local tensors: the
+# same graph as on the DTensors.
+_swap_in_eagerly: Callable[[torch.optim.Optimizer, list[_Swapped], _Groups], None] = torch.compiler.disable(_swap_in)
+_swap_out_eagerly: Callable[[torch.optim.Optimizer, list[_Swapped], _Groups], None] = torch.compiler.disable(_swap_out)
 
 
 def _rekey(
