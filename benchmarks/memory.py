@@ -195,8 +195,8 @@ class StorageTracker(TorchDispatchMode):
 
     def _register(self, st: torch.UntypedStorage, category: str) -> None:
         key = st._cdata
-        if key in self._refs:
-            return
+        if key in self._refs or st.device.type == "meta" or not isinstance(st.nbytes(), int):
+            return  # seen, or no real bytes: a meta or symbolic-size storage (torch.compile's fake tensors)
         uid = len(self._size)
         self._refs[key] = (uid, weakref.ref(st, lambda _r, key=key, uid=uid: self._freed(key, uid)))
         self._size[uid] = n = st.nbytes()

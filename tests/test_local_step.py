@@ -344,6 +344,7 @@ def _compiled(backend: str) -> list[str]:
             for what, x, y in [("weight", a, b), *((k, v, opt.state[b][k]) for k, v in eager[1].state[a].items())]:
                 if type(x) is not type(y) or not torch.allclose(_local(x.detach()), _local(y.detach()), **COMPILED_VS_EAGER):
                     errors.append(f"{how} vs eager {name} {what}: {type(x).__name__} vs {type(y).__name__} or not close")
+    torch._dynamo.reset()  # leave no compiled code (and the tensors its guards hold) in the reused workers
     return errors
 
 
