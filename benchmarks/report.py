@@ -424,6 +424,14 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
 # -- plots -------------------------------------------------------------------------------
 
 
+def _save(plt: Any, fig: Any, out_dir: str, name: str) -> str:
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def make_plots(results: dict[str, Any], out_dir: str, stem: str) -> tuple[list[str], str | None]:
     try:
         import matplotlib
@@ -459,11 +467,7 @@ def make_plots(results: dict[str, Any], out_dir: str, stem: str) -> tuple[list[s
             ax.set_title(model)
             ax.grid(True, which="both", alpha=0.3)
         axes[0][0].legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}-memory-vs-world-size.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{stem}-memory-vs-world-size.png"))
 
         fig, ax = plt.subplots(figsize=(6, 4))
         for i, model in enumerate(models):
@@ -479,11 +483,7 @@ def make_plots(results: dict[str, Any], out_dir: str, stem: str) -> tuple[list[s
         ax.set_ylabel("seconds to apply fully_shard")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}-apply-time.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{stem}-apply-time.png"))
 
     ovh = results.get("overhead") or {}
     runs = [(r, title) for r, title in ((ovh.get("result"), "world size 1"), ((ovh.get("two_ranks") or {}).get("result"), "2 ranks")) if r]
@@ -502,11 +502,7 @@ def make_plots(results: dict[str, Any], out_dir: str, stem: str) -> tuple[list[s
             ax.set_title(f"framework overhead, {title}")
             ax.grid(True, axis="y", alpha=0.3)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}-overhead.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{stem}-overhead.png"))
 
     cfgs = [c for c in results["configs"] if _ok(c)]
     if cfgs:
@@ -524,11 +520,7 @@ def make_plots(results: dict[str, Any], out_dir: str, stem: str) -> tuple[list[s
         ax.set_ylabel("step time fully_shard / torch FSDP2")
         ax.set_title("median ratio, bars = min/max over pairs")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{stem}-step-time-ratio.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out_dir, f"{stem}-step-time-ratio.png"))
     return paths, None
 
 
