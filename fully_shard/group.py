@@ -12,7 +12,7 @@ import torch
 
 from . import comm
 from .mesh import MeshInfo
-from .param import ShardedParam, accumulate_sharded_grads
+from .param import ShardedParam, accumulate_sharded_grads, reduced_parts
 from .streams import Streams
 
 
@@ -257,8 +257,7 @@ class ParamGroup:
             p.accumulated_grad = None
             grads[p] = grad
         if grads and self._alias_grads(grads):
-            for p, grad in grads.items():
-                accumulate_sharded_grads([p], grad.view(-1))
+            accumulate_sharded_grads(list(grads), list(grads.values()))
             return None
         if not grads:
             return None
@@ -310,7 +309,7 @@ class ParamGroup:
                     self.all_reduce_hook(output)
                 if work.post_divide is not None and work.post_divide != 1:
                     output.div_(work.post_divide)
-                accumulate_sharded_grads(params, output)
+                accumulate_sharded_grads(params, reduced_parts(params, output))
         streams.current_waits(streams.record("reduce_scatter"))
         pending.held = []
 

@@ -466,14 +466,13 @@ class ShardedParam:
         return full.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
 
 
-def accumulate_sharded_grads(params: list[ShardedParam], flat: torch.Tensor) -> None:
-    """Add each parameter's reduced slot of ``flat`` (1-D: the padded slots in order; its
-    rows lead each slot) to its sharded gradient, or set it: one split, one foreach add."""
-    sizes = [n for p in params for n in (p.local_shape.numel(), p.shard_numel - p.local_shape.numel())]
+def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> None:
+    """Add each parameter's reduced part (its local rows, any layout of the right size) to its
+    sharded gradient, or set it: one foreach add."""
     adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    for p, part in zip(params, flat.split_with_sizes(sizes)[::2]):
+    for p, part in zip(params, parts):
         local = part.view(p.local_shape)
-        if p.dtype != flat.dtype or p.shard_device != flat.device:
+        if p.dtype != part.dtype or p.shard_device != part.device:
             local = local.to(device=p.shard_device, dtype=p.dtype)
         grad = p.sharded_param.grad
         if grad is None:
@@ -483,6 +482,13 @@ def accumulate_sharded_grads(params: list[ShardedParam], flat: torch.Tensor) -> 
             adds[1].append(local)
     if adds[0]:
         torch._foreach_add_(*adds)
+
+
+def reduced_parts(params: list[ShardedParam], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's slot of a reduced ``flat`` (1-D: the padded slots in order; its rows
+    lead each slot), without the padding: one split."""
+    sizes = [n for p in params for n in (p.local_shape.numel(), p.shard_numel - p.local_shape.numel())]
+    return list(flat.split_with_sizes(sizes)[::2])
 
 
 def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:

@@ -487,7 +487,8 @@ class FSDPState:
     # -- tensor hooks ----------------------------------------------------------------------
 
     def _hook_inputs(self, ctx: RootContext, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        leaves, spec = tree_flatten((args, kwargs))
+        plain = not kwargs and all(isinstance(a, torch.Tensor) for a in args)  # the usual case: no pytree
+        leaves, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return args, kwargs
@@ -496,6 +497,8 @@ class FSDPState:
         )
         for i, t in zip(positions, hooked):
             leaves[i] = t
+        if spec is None:
+            return tuple(leaves), kwargs
         result: tuple[Any, Any] = tree_unflatten(leaves, spec)
         return result
 
