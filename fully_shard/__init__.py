@@ -16,9 +16,9 @@ from .api import (
     share_comm_ctx,
 )
 from .comm import CollectiveError, CollectiveMismatchError
-from .init import broadcast_full_state_dict, materialize
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .tools.clip import clip_grad_norm_
+from .tools.init import broadcast_full_state_dict, materialize
 from .tools.plan import plan
 
 __all__ = [

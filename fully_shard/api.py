@@ -44,30 +44,12 @@ class ShardPlacementResult:
 
 class ShardedUsageError(ValueError, AssertionError):
     """A misuse of ``fully_shard`` (e.g. applying it twice to one module) that torch's FSDP2
-    reports with ``AssertionError``: an instance of both, so either ``except`` catches it.
-
-    Example::
-
-        >>> from fully_shard import ShardedUsageError
-        >>> fully_shard(model)
-        >>> try:
-        ...     fully_shard(model)  # a second time
-        ... except ShardedUsageError as e:
-        ...     print(e)
-    """
+    reports with ``AssertionError``: an instance of both, so either ``except`` catches it."""
 
 
 class ShardedDeepcopyError(RuntimeError, AssertionError):
-    """``copy.deepcopy`` of a sharded module; torch's FSDP2 raises ``AssertionError`` there.
-
-    Example::
-
-        >>> from fully_shard import ShardedDeepcopyError
-        >>> try:
-        ...     copy.deepcopy(sharded_model)
-        ... except ShardedDeepcopyError:
-        ...     ...  # deep-copy the model before fully_shard instead
-    """
+    """``copy.deepcopy`` of a sharded module (torch's FSDP2 raises ``AssertionError`` there):
+    deep-copy the model before ``fully_shard`` instead."""
 
 
 @dataclass(eq=False)

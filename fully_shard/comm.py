@@ -205,7 +205,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
     """Rank ``src``'s ``tensor`` to every rank of ``group``, in place (rank-0 loading in
-    ``init.broadcast_full_state_dict``; not observed, not checked by the debug mode)."""
+    ``tools.init.broadcast_full_state_dict``; not observed, not checked by the debug mode)."""
     dist.broadcast(tensor, src, group=group)
 
 

@@ -1,9 +1,5 @@
-"""``python -m fully_shard.plan``: the memory planner's command line (see fully_shard.tools.cli).
-
-``fully_shard.plan`` is the function :func:`fully_shard.tools.plan.plan`; this module only
-runs the command line. Should it be imported (which makes ``fully_shard.plan`` this module),
-calling it still plans.
-"""
+"""``python -m fully_shard.plan``: the memory planner's command line (``fully_shard.tools.cli``).
+Imported, this module (then ``fully_shard.plan``) still plans when called, as the function does."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
-from .param import ShardedParam
-from .state import STATE_ATTR, FSDPState
+from .. import comm
+from ..param import ShardedParam
+from ..state import STATE_ATTR, FSDPState
 
 __all__ = ["materialize", "broadcast_full_state_dict"]
 
