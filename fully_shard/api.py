@@ -14,12 +14,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from .comm import PoolComm
 from .group import ParamGroup
 from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
 from .param import OWNER_ATTR, ShardedParam
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, FSDPState, callers_self, state_of
-from .streams import Streams
+from .streams import Streams, has_streams
 
 
 @dataclass
@@ -610,12 +611,19 @@ class FSDPModule:
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
         """Call ``hook(output)`` on each reduced flat gradient shard (the reduce-scatter or,
-        HSDP, the all-reduce output) before it is divided and accumulated. ``stream`` is only
-        allowed without HSDP, as in torch; the hook runs on the reduce-scatter stream here."""
+        HSDP, the all-reduce output) before it is divided and accumulated, on the reduce-scatter
+        stream or on ``stream`` (not with HSDP, as in torch), which waits for the reduction and
+        is waited for by what follows.
+
+        Example::
+
+            >>> block.set_all_reduce_hook(lambda g: dist.all_reduce(g, group=other_replicas), stream=torch.Stream())
+        """
         for group in self._groups(recurse=False):
             if stream is not None and group.mesh_info.replicate is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (a 2-D mesh)")
             group.all_reduce_hook = hook
+            group.all_reduce_hook_stream = group.all_reduce_hook_stream if stream is None else stream  # kept, as in torch
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in torch: use :meth:`set_gradient_divide_factor`."""
@@ -628,13 +636,23 @@ class FSDPModule:
         self._set("force_sum_reduction", enable, False)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Validated and recorded for torch compatibility; no effect: fully_shard frees each
-        reduce-scatter input when its reduction finishes (at most two are in flight)."""
+        """Keep up to this many reductions (reduce-scatter inputs) in flight in backward: each
+        post-backward issues its own, then finishes the oldest down to that many (1: the previous
+        group's). The largest under a root applies, as in torch.
+
+        Example::
+
+            >>> model.set_reduce_scatter_max_input_buffers(2)  # more overlap, two inputs' memory
+        """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        self._set("max_input_buffers", max_input_buffers, recurse)
+        for group in self._groups(recurse):
+            _check_symm_buffers(self, max_input_buffers, getattr(group.reduce_scatter_comm, "symmetric", False))
+            group.max_input_buffers = max_input_buffers
+        if (ctx := state_of(self).ctx) is not None:  # type: ignore[arg-type]
+            ctx.resolve_max_in_flight()
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run reduce-scatters on process groups of their own (one per set of shard ranks per
@@ -646,21 +664,59 @@ class FSDPModule:
             group.reduce_scatter_groups = {k: separate_group(i, made, old.get(k)) for k, i in infos.items()} if enable else {}
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported: ``True`` raises (a NCCL allocation optimisation); ``False`` is a no-op."""
-        if enable:
-            raise NotImplementedError(
-                f"{type(self).__name__}.set_allocate_memory_from_process_group_for_comm(True): fully_shard "
-                "does not allocate communication buffers from the process group. It only changes "
-                "where NCCL staging buffers live, not the results: remove the call."
-            )
+        """Allocate this module's communication buffers from the process group's own allocator
+        where its backend has one (NCCL: zero-copy transfers), else as before (gloo); not with a
+        custom Comm.
+
+        Example::
+
+            >>> block.set_allocate_memory_from_process_group_for_comm(True)  # each module: not recursive, as in torch
+        """
+        for group in self._groups(recurse=False):
+            _check_own_comms(self, "set_allocate_memory_from_process_group_for_comm", group, False)
+            rs_group = group.reduce_scatter_groups.get(id(group.mesh_info), group.mesh_info.shard.group)
+            group.all_gather_comm = PoolComm(group.mesh_info.shard.group) if enable else None
+            group.reduce_scatter_comm = PoolComm(rs_group) if enable else None
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """Not supported: raises (NCCL symmetric-memory all-gathers)."""
-        raise NotImplementedError(
-            f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): fully_shard does not support "
-            "symmetric-memory all-gathers (a NCCL-only optimisation; gloo has no symmetric memory). "
-            "Results are the same without it: remove the call."
-        )
+        """Allocate this module's all-gather output (and, with force-sum reduction, reduce-scatter
+        buffers) from ``backend``'s symmetric memory, as torch does, for NCCL's symmetric-memory
+        collectives; refused at once where the process group cannot (untested: needs NCCL on GPUs).
+
+        Example::
+
+            >>> block.set_symm_mem_for_comm()  # an NCCL process group on GPUs
+        """
+        for group in self._groups(recurse=False):
+            pg, device = group.mesh_info.shard.group, group.device
+            found = pg._get_backend(device).name() if has_streams(device) else "no accelerator"
+            if found.lower() != backend.lower():
+                raise NotImplementedError(
+                    f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory needs a {backend} process group on "
+                    f"an accelerator, but this module has {found} on {device}. It changes where buffers live, not the results: "
+                    f"call it only when running on {backend}."
+                )
+            _check_own_comms(self, "set_symm_mem_for_comm", group, True)
+            _check_symm_buffers(self, group.max_input_buffers, group.force_sum_reduction)
+            group.all_gather_comm = PoolComm(pg, backend)
+            if group.force_sum_reduction:  # symmetric reduce-scatters only sum (NCCL 2.29), as in torch
+                group.reduce_scatter_comm = PoolComm(group.reduce_scatter_groups.get(id(group.mesh_info), pg), backend)
+
+
+def _check_own_comms(module: FSDPModule, method: str, group: ParamGroup, symmetric: bool) -> None:
+    """Refuse to replace a user's Comm (``set_custom_*``) or the other kind of pool, as torch does."""
+    for comm in (group.all_gather_comm, group.reduce_scatter_comm):
+        if comm is not None and getattr(comm, "symmetric", None) is not symmetric:
+            raise ShardedUsageError(
+                f"{type(module).__name__}.{method}: this module's Comm {type(comm).__name__} (set_custom_*, or the other of "
+                "set_symm_mem_for_comm / set_allocate_memory_...) allocates its buffers itself: call only one of these, as in torch."
+            )
+
+
+def _check_symm_buffers(module: FSDPModule, max_input_buffers: int, symmetric: bool) -> None:
+    if max_input_buffers > 1 and symmetric:  # torch's rule: the symmetric pool would keep one segment per input
+        raise ValueError(f"{type(module).__name__}: set_reduce_scatter_max_input_buffers({max_input_buffers}) is not supported with "
+                         "a symmetric-memory reduce-scatter (set_symm_mem_for_comm with force-sum reduction), as in torch: keep 1.")
 
 
 def _check_comm(comm: Any, method: str) -> None:

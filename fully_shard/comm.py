@@ -12,12 +12,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 
 # torch 2.13 renamed the tensor collectives; older releases only have the old names.
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -217,16 +218,45 @@ def _buffer(custom: Any, numel: int, dtype: torch.dtype, device: torch.device) -
     return buffer
 
 
+def _collective(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = None,
+                async_op: bool = False) -> Any:
+    """The default Comm call: an all-gather or, given ``op``, a reduce-scatter."""
+    if op is None:
+        return getattr(dist, _ALL_GATHER)(output_tensor, input_tensor, group=group, async_op=async_op)
+    return getattr(dist, _REDUCE_SCATTER)(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+class PoolComm:
+    """torch's Comm API for both collectives, with buffers from ``group``'s allocator where its backend has
+    one (else ``torch.empty``) or, given ``symm_backend``, from symmetric memory (untested: needs NCCL on GPUs)."""
+
+    def __init__(self, group: dist.ProcessGroup, symm_backend: str | None = None) -> None:
+        self.group, self.symmetric = group, symm_backend is not None
+        if symm_backend is not None:
+            symm_mem.set_backend(symm_backend)  # type: ignore[arg-type]
+            dist.barrier(group=group)  # the communicator must exist before the first rendezvous
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.symmetric:  # one pool per device, reused
+            with torch.get_device_module(device).use_mem_pool(symm_mem.get_mem_pool(device)):
+                return torch.empty(*size, dtype=dtype, device=device)
+        backend = self.group._get_backend(device)
+        if backend.supports_tensor_alloc(device):
+            return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any = None, async_op: bool = False) -> Any:
+        for t in ((output_tensor,) if op is None else (input_tensor, output_tensor)) if self.symmetric else ():
+            symm_mem.rendezvous(t, group=group.group_name)  # an all-gather's input is a view of its output
+        return _collective(output_tensor, input_tensor, group, op, async_op)
+
+
 def _start(kind: str, what: str, ranks: Ranks, out: torch.Tensor, inp: torch.Tensor, custom: Any, label: str, **op: Any) -> Any:
     """Issue an asynchronous all-gather or reduce-scatter of ``inp`` into ``out``, through the
     user's ``custom`` Comm if set; returns ``_issue``'s (work, event)."""
-    group = ranks.group
-    if custom is not None:
-        call = lambda: custom(output_tensor=out, input_tensor=inp, group=group, async_op=True, **op)  # noqa: E731
-    else:
-        fn = getattr(dist, _ALL_GATHER if kind == "all_gather" else _REDUCE_SCATTER)
-        call = lambda: fn(out, inp, group=group, async_op=True, **op)  # noqa: E731
-    return _issue(kind, what, group, inp, call, label)
+    fn, group = _collective if custom is None else custom, ranks.group
+    return _issue(kind, what, group, inp, lambda: fn(output_tensor=out, input_tensor=inp, group=group, async_op=True, **op), label)
 
 
 def all_gather(

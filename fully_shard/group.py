@@ -79,11 +79,12 @@ class ParamGroup:
         self.unshard_in_backward = True
         self.reduce_scatter_unused_params = False  # reduce zeros for unused parameters
         self.force_sum_reduction = False
-        self.max_input_buffers = 1  # recorded only (see set_reduce_scatter_max_input_buffers)
+        self.max_input_buffers = 1  # reductions kept in flight (the root's RootContext takes the largest)
         self.all_gather_comm: Any = None  # torch's Comm API (set_custom_all_gather)
         self.reduce_scatter_comm: Any = None
         self.reduce_scatter_groups: dict[int, torch.distributed.ProcessGroup] = {}  # by id(MeshInfo); else the shard group
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: Any = None  # the user's stream to run it on (a torch.Stream)
         # set by pre-forward under grad mode; cleared once post-backward has run
         self.needs_post_backward = False
 
@@ -305,8 +306,8 @@ class ParamGroup:
                         self._partials[key] = output  # reduced within the shard group only
                         continue
                     comm.all_reduce(output, info.replicate.group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label)
-                if self.all_reduce_hook is not None:
-                    self.all_reduce_hook(output)
+                if (hook := self.all_reduce_hook) is not None:
+                    streams.detour(self.all_reduce_hook_stream, lambda: hook(output))
                 if work.post_divide is not None and work.post_divide != 1:
                     output.div_(work.post_divide)
                 accumulate_sharded_grads(params, reduced_parts(params, output))

@@ -78,16 +78,21 @@ class RootContext:
         self.prev_forward_order: list[FSDPState] = []  # ... of the last iteration: forward prefetch
         self.post_forward_order: list[FSDPState] = []  # reversed, the backward order
         self.callback_queued = False
-        # the previous group's reduction, finished when the next one has been issued: at most
-        # two overlap, and each group's gradients are freed one group later
-        self.pending_reduce: PendingReduce | None = None
+        # reductions in flight, oldest first: at most max_in_flight after a post-backward (default 1:
+        # the previous group's is finished once the next is issued; set_reduce_scatter_max_input_buffers)
+        self.pending: list[PendingReduce] = []
+        self.resolve_max_in_flight()
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
 
-    def finish_reduce(self) -> None:
-        pending, self.pending_reduce = self.pending_reduce, None
-        if pending is not None:
+    def finish_reduce(self, keep: int = 0) -> None:
+        """Finish the oldest reductions until at most ``keep`` are in flight."""
+        while len(self.pending) > keep:
+            pending = self.pending.pop(0)
             pending.group.finish_reduce(pending)
+
+    def resolve_max_in_flight(self) -> None:
+        self.max_in_flight = max((s.group.max_input_buffers for s in self.states if s.group is not None), default=1)
 
     def queue_finalize(self) -> None:
         """Once per backward: have autograd call ``finalize_backward`` when it is done."""
@@ -119,7 +124,7 @@ class RootContext:
 
     def reset(self) -> None:
         """Drop everything an aborted forward or backward left behind."""
-        self.pending_reduce = None  # its peers may have failed: never wait on it
+        self.pending = []  # their peers may have failed: never wait on them
         for state in self.states:
             state.move_to(TrainingState.IDLE)
             state.to_run.clear()
@@ -469,8 +474,8 @@ class FSDPState:
                 with torch.no_grad():
                     pending = group.reduce_grads()
                 if pending is not None:
-                    ctx.finish_reduce()  # the previous group's, issued one group ago
-                    ctx.pending_reduce = pending
+                    ctx.finish_reduce(keep=ctx.max_in_flight - 1)  # the oldest, issued groups ago
+                    ctx.pending.append(pending)
             self.move_to(TrainingState.IDLE)
 
     def reset_iter_state(self) -> None:

@@ -17,6 +17,7 @@ On the CPU every method is a no-op on the same code path; tests pass a recording
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
@@ -96,6 +97,17 @@ class Streams:
         """The named side stream waits for the work queued so far on the current stream."""
         if self.backend is not None:
             self.backend.wait_stream(getattr(self, name), self.current())
+
+    def detour(self, stream: Any, fn: Callable[[], None]) -> None:
+        """``fn()`` on ``stream`` (a user's; None: the current one), after the work queued so far
+        on the current stream, which then waits for it."""
+        if self.backend is None or stream is None:
+            return fn()
+        here = self.current()
+        self.backend.wait_stream(stream, here)
+        with self.backend.use(stream):
+            fn()
+        self.backend.wait_stream(here, stream)
 
     def current_waits(self, event: Any) -> None:
         if self.backend is not None and event is not None:

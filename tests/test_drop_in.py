@@ -227,8 +227,7 @@ def _unsupported_calls() -> list[str]:
     model = fully_shard(nn.Linear(4, 4))
     messages = []
     for call in (
-        lambda: model.set_symm_mem_for_comm(),
-        lambda: model.set_allocate_memory_from_process_group_for_comm(True),
+        lambda: model.set_symm_mem_for_comm(),  # gloo on the CPU (see test_comm_controls.py)
         lambda: model.set_reduce_scatter_max_input_buffers(0),
         lambda: model.set_custom_all_gather(object()),
     ):
@@ -237,14 +236,12 @@ def _unsupported_calls() -> list[str]:
             messages.append("no error")
         except (NotImplementedError, ValueError) as e:
             messages.append(str(e))
-    model.set_allocate_memory_from_process_group_for_comm(False)  # asks for nothing: fine
     return messages
 
 
 def test_unsupported_backend_features_raise_at_the_call() -> None:
-    symm, alloc, buffers, comm = run_distributed(_unsupported_calls, 1)[0]
-    assert "symmetric-memory" in symm and "remove the call" in symm
-    assert "process group" in alloc and "remove the call" in alloc
+    symm, buffers, comm = run_distributed(_unsupported_calls, 1)[0]
+    assert "symmetric memory needs a NCCL process group" in symm and "not the results" in symm
     assert "positive int" in buffers
     assert "allocate" in comm
 
