@@ -116,7 +116,8 @@ def _post_forward_info(info: MeshInfo, k: int) -> Ranks:
     """This rank's k-rank group. Every rank creates every group, in the same order, as
     ``new_group`` requires; as in torch, each fully_shard call creates its own."""
     n = info.shard.size
-    rows = info.mesh.mesh.reshape(-1, n).tolist()  # the shard dim is last: a row per shard group
+    # a row per shard group, of every copy of a sub-mesh (``.mesh`` holds this rank's copy only)
+    rows = info.mesh._layout.remap_to_tensor(info.mesh._rank_map).reshape(-1, n).tolist()
     me = dist.get_rank()
     mine: Ranks | None = None
     for row in rows:

@@ -633,6 +633,18 @@ def test_int_reshard_after_forward_with_subclass_on_another_mesh_matches_torch_f
     assert ours[0]["comms"].count("all_gather") == theirs[0]["comms"].count("all_gather") == 4, ours[0]["comms"]
 
 
+def test_int_reshard_after_forward_on_an_expert_sub_mesh() -> None:
+    """8 ranks, the experts Shard(1) on the 4-rank sub-mesh ``efsdp`` of a (2, 4) mesh: its
+    ``.mesh`` holds this rank's copy only, yet every rank must create the k-rank groups of both
+    copies. torch's FSDP2 hangs here (its post-forward mesh is built from that one copy), so
+    the oracle is the same program with True: bitwise, as the kept slices are gathered back."""
+    ours, plain = (run_distributed(_experts, 8, "fsdp_2_dim1", False, False, reshard) for reshard in (2, True))
+    _check_like_torch(ours, plain)
+    lines = [" ".join(line.split()) for line in ours[0]["comms"].splitlines()]
+    assert lines == ["all_gather 8 18", "all_gather 4 64", "-- backward --", "all_gather 2 72", "all_gather 2 128",
+                     "reduce_scatter 8 144", "reduce_scatter 4 256"], ours[0]["comms"]
+
+
 def _int_refusal(use_torch: bool, subclass: bool) -> str:
     """k not dividing the experts' shard size (ValueError, also torch's); k < the subclass's
     mesh size (NotImplementedError: ours at the call, torch's at the backward all-gather)."""
