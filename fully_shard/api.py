@@ -123,7 +123,8 @@ def fully_shard(
             again in backward); ``False`` keeps them until after backward (more memory). An
             int ``k`` dividing the shard size ``N`` (e.g. ranks per node) keeps ``k/N`` of
             them after forward, so backward all-gathers within ``k`` consecutive ranks;
-            ``k == N`` means ``True``, ``k == 1`` ``False``. ``None``: ``True`` but for the root.
+            ``k == N`` means ``True``, ``k == 1`` ``False`` (per mesh, with a
+            :class:`ShardPlacementResult`'s). ``None``: ``True`` but for the root.
         shard_placement_fn: called with each parameter; returns ``Shard(dim)`` to shard it
             on ``dim`` (which the shard size must divide evenly when ``dim != 0``), a
             :class:`ShardPlacementResult` (a mesh of its own too) or ``None`` (``Shard(0)``).
@@ -158,7 +159,6 @@ def fully_shard(
     modules = _as_modules(module)
     check_options(mp_policy, offload_policy, reshard_after_forward)
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
-    reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info)
     device = mesh_info.device
     ignored = set(ignored_params or ())
     label = ", ".join(type(m).__name__ for m in modules)
@@ -173,6 +173,13 @@ def fully_shard(
         for p, (fqn, uses) in found.items()
         for dim, info in [_placement(shard_placement_fn, p, fqn, mesh_info, meshes)]
     ]
+    reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info, [(p.local_fqn, p.mesh_info) for p in sharded])
+    ext = next((sp.local_fqn for sp in sharded if sp.extension and id(sp.mesh_info) in post_forward), None)
+    if ext is not None:  # torch raises NotImplementedError too, at the backward all-gather
+        raise NotImplementedError(
+            f"fully_shard({label}): reshard_after_forward=<int> is not supported for tensor-subclass "
+            f"parameters that all-gather themselves ({ext!r}); pass True or False"
+        )
     _move_buffers(modules, device)
     for original, sp in zip(found, sharded):
         sp.set_owner(_Owner(sp.local_fqn, modules, label))
@@ -180,18 +187,6 @@ def fully_shard(
         if type(original) is nn.Parameter:
             original.__class__ = _ReplacedParameter
         sp.register(unsharded=False)
-    if post_forward is not None and any(sp.extension for sp in sharded):
-        raise NotImplementedError(
-            f"fully_shard({label}): reshard_after_forward=<int> is not supported for tensor-subclass "
-            f"parameters that all-gather themselves ({next(sp.local_fqn for sp in sharded if sp.extension)!r}); pass True or False"
-        )
-    for sp in sharded:
-        if sp.mesh_info is not mesh_info and (post_forward is not None or sp.extension):
-            raise NotImplementedError(
-                f"fully_shard({label}): parameter {sp.local_fqn!r} is on a mesh of its own (ShardPlacementResult), which "
-                "is not supported for tensor-subclass parameters or with reshard_after_forward=<int>: pass True or "
-                "False, or shard it in its own fully_shard call with mesh=<its mesh>"
-            )
     group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
     state = FSDPState(modules, group, device, reshard, post_forward, mp_policy, ignored)
     for m in modules:
@@ -536,7 +531,7 @@ class FSDPModule:
             raise ValueError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         for state in self._fully_shard_states(recurse):
             state.reshard_after_forward = reshard_after_forward
-            state.post_forward_ranks = None  # a bool replaces reshard_after_forward=k, as in torch
+            state.post_forward_ranks = {}  # a bool replaces reshard_after_forward=k, as in torch
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free full parameters after backward (False keeps them for the next

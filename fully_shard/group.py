@@ -62,11 +62,11 @@ class ParamGroup:
         self.mesh_info = mesh_info
         self.device = device
         self.label = label  # the module(s) of the fully_shard call, for messages and traces
-        self.post_forward: comm.Ranks | None = None  # while POST_FORWARD: the k ranks holding the slices
+        self.post_forward: dict[int, comm.Ranks] = {}  # while POST_FORWARD: per mesh (id), the k ranks holding slices
         self.state = GroupState.SHARDED
         self._gather_buckets = _buckets([p for p in params if not p.extension], lambda p: p.unsharded_dtype)
-        self._ext = [p for p in params if p.extension]  # subclasses that all-gather themselves
-        self._ext_slots: list[int] = []  # their inputs' per-rank slots, in bytes
+        self._ext = _buckets([p for p in params if p.extension], lambda p: torch.uint8)  # subclasses gathering themselves
+        self._ext_slots: list[list[int]] = []  # their inputs' per-rank slots, in bytes, per bucket
         self._all_gathers: list[comm.CollectiveWork] = []  # in flight while UNSHARDING
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
         # HSDP with the all-reduce off: reduce-scatter outputs awaiting the all-reduce
@@ -110,31 +110,31 @@ class ParamGroup:
             self.wait_for_unshard()
 
     def _issue_all_gathers(self) -> list[comm.CollectiveWork]:
-        """One all-gather per unsharded dtype and mesh (and one, of bytes, for the subclasses
-        that gather themselves); from POST_FORWARD, of the kept slices within the k ranks."""
-        pf = self.post_forward
+        """One all-gather per unsharded dtype and mesh (then one, of bytes, per mesh for the
+        subclasses that gather themselves); from POST_FORWARD, a mesh's kept slices within its k ranks."""
 
         def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, ranks: comm.Ranks) -> comm.CollectiveWork:
             return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label, self.all_gather_comm)
 
-        if pf is not None:  # POST_FORWARD
-            what = f"backward all-gather of {self.label}'s parameters within {pf.size} ranks"
-            works = [gather([p.post_forward_slice for p in b], [p.unsharded_numel // pf.size for p in b], b[0].unsharded_dtype, what, pf)
-                     for b in self._gather_buckets]
-            for p in self.params:
-                p.post_forward_slice = None  # packed into the all-gather input
-            return works
-        what = f"all-gather of {self.label}'s parameters"
-        works = [gather([p.flat_shard() for p in b], [p.shard_numel for p in b], b[0].unsharded_dtype, what, b[0].mesh_info.shard)
-                 for b in self._gather_buckets]
-        if self._ext:
-            inputs, self._ext_slots = [], []
-            for p in self._ext:
-                flats, slots = p.ext_all_gather_inputs()
+        works = []
+        for b in self._gather_buckets:
+            pf = self.post_forward.get(id(b[0].mesh_info))  # POST_FORWARD: the mesh's kept slices, within its k ranks
+            shards = [p.post_forward_slice if pf else p.flat_shard() for p in b]
+            numels = [p.unsharded_numel // pf.size if pf else p.shard_numel for p in b]
+            what = f"all-gather of {self.label}'s parameters" + (f" within {pf.size} ranks, for backward" if pf else "")
+            works.append(gather(shards, numels, b[0].unsharded_dtype, what, pf or b[0].mesh_info.shard))
+        for p in self.params:
+            p.post_forward_slice = None  # packed into the all-gather input
+        self._ext_slots = []
+        for b in self._ext:
+            inputs, slots = [], []
+            for p in b:
+                flats, sizes = p.ext_all_gather_inputs()
                 inputs += flats
-                self._ext_slots += slots
+                slots += sizes
+            self._ext_slots.append(slots)
             what = f"all-gather of {self.label}'s tensor-subclass parameters"
-            works.append(gather(inputs, self._ext_slots, torch.uint8, what, self.mesh_info.shard))
+            works.append(gather(inputs, slots, torch.uint8, what, b[0].mesh_info.shard))
         return works
 
     def wait_for_unshard(self) -> None:
@@ -152,9 +152,9 @@ class ParamGroup:
             comm.copy_out(work, [p.unsharded_numel // world for p in bucket], [p.gather_dest(world) for p in bucket])
             for p in bucket:
                 p.note_unsharded_version()
-        if self._ext:
-            comm.copy_out(self._all_gathers[-1], self._ext_slots, [d for p in self._ext for d in p.ext_gather_dests()])
-            for p in self._ext:
+        for bucket, slots, work in zip(self._ext, self._ext_slots, self._all_gathers[len(self._gather_buckets) :]):
+            comm.copy_out(work, slots, [d for p in bucket for d in p.ext_gather_dests()])
+            for p in bucket:
                 p.ext_post_all_gather()
                 p.note_unsharded_version()
         self._hold_all_gathers()
@@ -162,32 +162,31 @@ class ParamGroup:
             p.register(unsharded=True)
         self._move_to(GroupState.UNSHARDED)
 
-    def reshard(self, keep: comm.Ranks | None = None) -> None:
+    def reshard(self, keep: dict[int, comm.Ranks] | None = None) -> None:
         """Free the full parameters and point the modules back at the sharded ones.
 
-        With ``keep`` (``reshard_after_forward=k``, after forward), each rank first keeps its
-        1/k slice so backward can all-gather within those k ranks.
+        With ``keep`` (``reshard_after_forward=k``, after forward: per mesh, by ``id``), each rank
+        of such a mesh first keeps its 1/k slice so backward can all-gather within those k ranks.
         """
         if self.state is GroupState.UNSHARDING:
             for work in self._all_gathers:
                 work.wait()  # the collective must complete before its buffers go
             self._hold_all_gathers()
             self._move_to(GroupState.UNSHARDED)
-        if self.state is not GroupState.UNSHARDED:
-            keep = None
-        else:
+        keep = keep if keep and self.state is GroupState.UNSHARDED else {}
+        if self.state is GroupState.UNSHARDED:
             for p in self.params:
                 p.check_unsharded_version()
             for p in self.params:
-                if keep is not None:
-                    p.keep_post_forward_slice(keep.size, keep.rank)
+                if (ranks := keep.get(id(p.mesh_info))) is not None:
+                    p.keep_post_forward_slice(ranks.size, ranks.rank)
                 p.free_unsharded()
         self.post_forward = keep
         for p in self.params:
-            if keep is None:
+            if not keep:
                 p.post_forward_slice = None
             p.register(unsharded=False)
-        self._move_to(GroupState.SHARDED if keep is None else GroupState.POST_FORWARD)
+        self._move_to(GroupState.POST_FORWARD if keep else GroupState.SHARDED)
 
     def _hold_all_gathers(self) -> None:
         """The all-gather buffers were last used on the current stream: keep them until the
@@ -199,7 +198,7 @@ class ParamGroup:
         """Back to SHARDED whatever happened, dropping in-flight buffers and partial grads."""
         self._all_gathers = []
         self._partials = {}
-        self.post_forward = None
+        self.post_forward = {}
         if self.state is GroupState.UNSHARDED:
             for p in self.params:
                 p.free_unsharded()

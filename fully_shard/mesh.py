@@ -61,7 +61,7 @@ def default_mesh() -> DeviceMesh:
 _MODEL_PARALLEL_DIM_NAMES = ("tp", "cp", "ep", "pp", "tensor", "context", "expert", "pipeline")
 
 
-def reshard_setting(value: bool | int | None, n: int) -> bool | int | None:
+def reshard_setting(value: bool | int | None, n: int, where: str = "") -> bool | int | None:
     """``reshard_after_forward`` as torch reads it, for a shard group of ``n`` ranks: ``None``
     or a bool as given; an int ``k`` must divide ``n``; ``n`` means True (reshard to the whole
     group), 1 means False (keep the full parameters, with a warning, as 1 reads like True);
@@ -76,7 +76,7 @@ def reshard_setting(value: bool | int | None, n: int) -> bool | int | None:
         return value
     if not (1 <= value <= n and n % value == 0):
         raise ValueError(
-            f"reshard_after_forward={value} must be a divisor of the shard group size {n} "
+            f"reshard_after_forward={value} must be a divisor of the shard group size {n}{where} "
             f"(e.g. the number of ranks per node; {n} means True, 1 means False); or pass True or False"
         )
     if value == 1:
@@ -89,25 +89,35 @@ def reshard_setting(value: bool | int | None, n: int) -> bool | int | None:
     return True if value == n else value
 
 
-def resolve_reshard_after_forward(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, Ranks | None]:
+def resolve_reshard_after_forward(
+    value: bool | int | None, info: MeshInfo, params: list[tuple[str, MeshInfo]]
+) -> tuple[bool | None, dict[int, Ranks]]:
     """``reshard_after_forward``, once: whether to reshard after forward (``None``: decided at
-    lazy init) and, for an int ``k`` (see :func:`reshard_setting`), the k consecutive ranks of
-    the shard dim that hold the parameters between forward and backward, this rank among them."""
+    lazy init) and, for an int ``k`` (see :func:`reshard_setting`), per mesh of the call's
+    ``(fqn, mesh)`` ``params`` (by ``id``), the k consecutive ranks of its shard dim that hold
+    the parameters between forward and backward, this rank among them (none where ``k`` is
+    the whole shard dim: those are resharded as with True). ``k`` must divide every mesh's."""
     if info.shard_mesh_dim is None:
-        return False, None  # DDP: nothing to reshard to; the full parameters stay, as in torch
+        return False, {}  # DDP: nothing to reshard to; the full parameters stay, as in torch
     setting = reshard_setting(value, info.shard.size)
-    if setting is None or isinstance(setting, bool):
-        return setting, None
-    if info.spmd_mesh is not None:
-        raise NotImplementedError("reshard_after_forward=<int> is not supported with dp_mesh_dims; pass True or False")
-    return True, _post_forward_info(info, setting)
+    if setting is None or isinstance(setting, bool) and (setting is False or type(value) is bool):
+        return setting, {}
+    keep: dict[int, Ranks] = {}
+    for fqn, other in params:
+        k = setting if other is info else reshard_setting(value, other.shard.size, f" of the mesh shard_placement_fn gave {fqn!r}")
+        if type(k) is int and id(other) not in keep:
+            if other.spmd_mesh is not None:
+                raise NotImplementedError("reshard_after_forward=<int> is not supported with dp_mesh_dims; pass True or False")
+            keep[id(other)] = _post_forward_info(other, k)
+    return True, keep
 
 
 def _post_forward_info(info: MeshInfo, k: int) -> Ranks:
     """This rank's k-rank group. Every rank creates every group, in the same order, as
     ``new_group`` requires; as in torch, each fully_shard call creates its own."""
     n = info.shard.size
-    rows = info.mesh.mesh.reshape(-1, n).tolist()  # the shard dim is last: a row per shard group
+    # a row per shard group, of every copy of a sub-mesh (``.mesh`` holds this rank's copy only)
+    rows = info.mesh._layout.remap_to_tensor(info.mesh._rank_map).reshape(-1, n).tolist()
     me = dist.get_rank()
     mine: Ranks | None = None
     for row in rows:

@@ -155,14 +155,14 @@ class FSDPState:
 
     def __init__(
         self, modules: tuple[nn.Module, ...], group: ParamGroup | None, device: torch.device, reshard_after_forward: bool | None,
-        post_forward_ranks: Ranks | None, mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter],
+        post_forward_ranks: dict[int, Ranks], mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter],
     ) -> None:
         self.modules = modules
         self.mp_policy = mp_policy
         self.group = group
         self.device = device
         self.reshard_after_forward = reshard_after_forward  # None: decided at lazy init (False for the root)
-        self.post_forward_ranks = post_forward_ranks  # reshard_after_forward=k: this rank's k-rank group
+        self.post_forward_ranks = post_forward_ranks  # reshard_after_forward=k: this rank's k-rank group, by id(MeshInfo)
         self.is_root = False  # decided at lazy init
         self.ctx: RootContext | None = None  # set at lazy init: ``lazy_init()`` returns it
         self.training_state = TrainingState.IDLE

@@ -503,55 +503,78 @@ class ExpertMLP(nn.Module):
         return self.out((torch.relu(self.inp(x)).unsqueeze(0) @ self.experts).mean(0))  # (E, B, D) -> (B, D)
 
 
-# the experts' mesh (on 4 ranks, the others' is 1-D over all 4) and their shard dim
+# the experts' mesh (the others' is 1-D over all ranks; main_hsdp: HSDP (2, world/2), the
+# experts' 1-D over all ranks) and their shard dim
 EXPERT_CASES = {"hsdp_2x2": 0, "fsdp_2_dim1": 1}
 
 
-def _experts(case: str, use_torch: bool, as_mesh: bool = False) -> dict[str, Any]:
+def _experts(
+    case: str, use_torch: bool, as_mesh: bool = False, reshard: bool | int | None = None, subclass: bool = False
+) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as TorchResult
 
     from fully_shard import ShardPlacementResult, fully_shard
+    from tests.collectives import CollectiveRecorder
+    from tests.test_subclass_params import HalfGather, _full
 
     shard, result = (torch_fully_shard, TorchResult) if use_torch else (fully_shard, ShardPlacementResult)
-    mesh = init_device_mesh(device_type(), (4,))
-    expert_mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("rep", "efsdp"))
+    world = dist.get_world_size()
+    main_hsdp = {"mesh_shape": (2, world // 2), "mesh_dim_names": ("rep", "shard")}
+    mesh = init_device_mesh(device_type(), **main_hsdp) if case == "main_hsdp" else init_device_mesh(device_type(), (world,))
+    expert_mesh = init_device_mesh(device_type(), (2, world // 2), mesh_dim_names=("rep", "efsdp"))
     # torch's own mesh infos, as torchtitan builds them, passed to both
-    hsdp = case == "hsdp_2x2"
-    info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0) if hsdp else FSDPMeshInfo(expert_mesh["efsdp"], 0)
+    if case == "main_hsdp":
+        info = FSDPMeshInfo(init_device_mesh(device_type(), (world,)), 0)
+    elif case == "hsdp_2x2":
+        info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    else:
+        info = FSDPMeshInfo(expert_mesh["efsdp"], 0)
     if as_mesh:
         info = info.mesh  # ours also takes the DeviceMesh itself
     model = ExpertMLP()
-    shard(model, mesh=mesh, shard_placement_fn=lambda p: result(Shard(EXPERT_CASES[case]), info) if p is model.experts else None)
+    if subclass:  # the experts all-gather themselves (HalfGather, tests/test_subclass_params.py)
+        model.experts = nn.Parameter(HalfGather(model.experts.detach().clone()))
+        HalfGather.meshes.clear()
+    place = {"shard_placement_fn": lambda p: result(Shard(EXPERT_CASES.get(case, 0)), info) if p is model.experts else None}
+    shard(model, mesh=mesh, reshard_after_forward=reshard, **place)
     layout = [(n, [str(q) for q in p.placements], p.device_mesh.mesh.tolist()) for n, p in model.named_parameters()]
     state = [(k, [str(q) for q in v.placements]) for k, v in model.state_dict().items()]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
     losses, grads = [], []
     for step in range(2):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()), device="cpu").to(device())
-        loss = model(x).pow(2).sum()
-        loss.backward()
+        with CollectiveRecorder() as rec:  # the last step's collectives
+            loss = model(x).pow(2).sum()
+            rec.mark("backward")
+            loss.backward()
         grads += [p.grad.full_tensor() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "params": [p.full_tensor() for p in model.parameters()], "layout": layout, "state": state}
+    params = [_full(p) if isinstance(p._local_tensor, HalfGather) else p.full_tensor() for p in model.parameters()]
+    return {"losses": losses, "grads": grads, "params": params, "layout": layout, "state": state, "comms": rec.table(),
+            "types": [type(p._local_tensor).__name__ for p in model.parameters()], "meshes": sorted(HalfGather.meshes)}
+
+
+def _check_like_torch(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
+    """Bitwise: the same layouts reduced with the same gloo ops over the same ranks."""
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["layout"] == b["layout"] and a["state"] == b["state"], f"rank {rank}: {a['layout']} != torch's {b['layout']}"
+        assert a["losses"] == b["losses"], f"rank {rank}: losses {a['losses']} != torch's {b['losses']}"
+        for p, q in zip(a["grads"] + a["params"], b["grads"] + b["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", list(EXPERT_CASES))
 def test_shard_placement_result_on_another_mesh_matches_torch_fsdp2(case: str) -> None:
     ours = run_distributed(_experts, 4, case, False)
     theirs = run_distributed(_experts, 4, case, True)
-    for rank, (a, b) in enumerate(zip(ours, theirs)):
-        # the experts live on their own mesh (the others on the 4-rank one), with torch's placements
-        assert a["layout"] == b["layout"] and a["state"] == b["state"], f"rank {rank}: {a['layout']} != torch's {b['layout']}"
+    _check_like_torch(ours, theirs)
+    for rank, a in enumerate(ours):  # the experts live on their own mesh (the others on the 4-rank one)
         assert a["layout"][0][0] == "experts" and a["layout"][1][2] == [0, 1, 2, 3], a["layout"]
         assert a["layout"][0][2] == ([[0, 1], [2, 3]] if case == "hsdp_2x2" else [[0, 1], [2, 3]][rank // 2]), a["layout"]
-        # bitwise: the same layouts reduced with the same gloo ops over the same ranks
-        assert a["losses"] == b["losses"], f"rank {rank}: losses {a['losses']} != torch's {b['losses']}"
-        for p, q in zip(a["grads"] + a["params"], b["grads"] + b["params"]):
-            torch.testing.assert_close(p, q, rtol=0, atol=0)
     if case == "fsdp_2_dim1":  # experts reduced within their 2 ranks only: the two pairs differ
         assert not torch.equal(ours[0]["params"][0], ours[2]["params"][0])
     for a, c in zip(ours, run_distributed(_experts, 4, case, False, True)):  # the mesh itself: the same program
@@ -559,23 +582,98 @@ def test_shard_placement_result_on_another_mesh_matches_torch_fsdp2(case: str) -
         assert all(torch.equal(p, q) for p, q in zip(a["params"], c["params"]))
 
 
+# reshard_after_forward=2 on 4 ranks: each mesh of the call keeps its own 1/2 after forward
+# (torch: a post-forward mesh per group), or reshards fully where 2 is its shard size
+INT_COMMS = {
+    # HSDP (2, 2) others: 2 is their shard size (True); the experts on the 4-rank mesh keep 1/2
+    "main_hsdp": ["all_gather 2 45", "all_gather 4 64", "--", "all_gather 2 45", "all_gather 2 128", "reduce_scatter 2 90",
+                  "reduce_scatter 4 256", "all_reduce 2 45"],
+    # the others on the 4-rank mesh keep 1/2; the experts' shard size is 2 (True)
+    "hsdp_2x2": ["all_gather 4 27", "all_gather 2 128", "--", "all_gather 2 54", "all_gather 2 128", "reduce_scatter 4 108",
+                 "reduce_scatter 2 256", "all_reduce 2 128"],
+}
+
+
+@pytest.mark.parametrize("case", list(INT_COMMS))
+def test_int_reshard_after_forward_with_another_mesh_matches_torch_fsdp2(case: str) -> None:
+    ours = run_distributed(_experts, 4, case, False, False, 2)
+    theirs = run_distributed(_experts, 4, case, True, False, 2)
+    _check_like_torch(ours, theirs)
+    for a, b in zip(ours, theirs):
+        # (kind, ranks, elements) of each collective of a step: the backward all-gather of the
+        # mesh that kept 1/2 runs within 2 ranks, of 2 of its shards; torch's the same per phase
+        # (it reduces the second mesh's group first)
+        lines = [" ".join(line.split()) for line in a["comms"].replace("-- backward --", "--").splitlines()]
+        assert lines == INT_COMMS[case], a["comms"]
+        phases = [[sorted(part.splitlines()) for part in t["comms"].split("-- backward --")] for t in (a, b)]
+        assert phases[0] == phases[1], b["comms"]
+
+
+@pytest.mark.parametrize(("world_size", "case"), [(2, "main_hsdp"), (2, "hsdp_2x2"), (4, "main_hsdp"), (4, "fsdp_2_dim1")])
+def test_subclass_on_another_mesh_matches_torch_fsdp2(world_size: int, case: str) -> None:
+    """The experts all-gather themselves (HalfGather) on their own mesh: over its ranks, with
+    its shard mesh given to ``fsdp_pre_all_gather``; 2 ranks' main_hsdp gathers them over the 2."""
+    ours = run_distributed(_experts, world_size, case, False, False, True, True)
+    theirs = run_distributed(_experts, world_size, case, True, False, True, True)
+    _check_like_torch(ours, theirs)
+    for a, b in zip(ours, theirs):
+        assert a["types"] == b["types"] and a["types"][0] == "HalfGather", a["types"]
+        assert a["meshes"] == b["meshes"] and len(a["meshes"]) == 1, (a["meshes"], b["meshes"])
+
+
+def test_int_reshard_after_forward_with_subclass_on_another_mesh_matches_torch_fsdp2() -> None:
+    """reshard_after_forward=2 when the subclass's mesh has 2 ranks: it reshards fully there
+    (torch: no post-forward mesh for that group), the others keep 1/2."""
+    ours = run_distributed(_experts, 4, "hsdp_2x2", False, False, 2, True)
+    theirs = run_distributed(_experts, 4, "hsdp_2x2", True, False, 2, True)
+    _check_like_torch(ours, theirs)
+    assert ours[0]["comms"].count("all_gather") == theirs[0]["comms"].count("all_gather") == 4, ours[0]["comms"]
+
+
+def test_int_reshard_after_forward_on_an_expert_sub_mesh() -> None:
+    """8 ranks, the experts Shard(1) on the 4-rank sub-mesh ``efsdp`` of a (2, 4) mesh: its
+    ``.mesh`` holds this rank's copy only, yet every rank must create the k-rank groups of both
+    copies. torch's FSDP2 hangs here (its post-forward mesh is built from that one copy), so
+    the oracle is the same program with True: bitwise, as the kept slices are gathered back."""
+    ours, plain = (run_distributed(_experts, 8, "fsdp_2_dim1", False, False, reshard) for reshard in (2, True))
+    _check_like_torch(ours, plain)
+    lines = [" ".join(line.split()) for line in ours[0]["comms"].splitlines()]
+    assert lines == ["all_gather 8 18", "all_gather 4 64", "-- backward --", "all_gather 2 72", "all_gather 2 128",
+                     "reduce_scatter 8 144", "reduce_scatter 4 256"], ours[0]["comms"]
+
+
+def _int_refusal(use_torch: bool, subclass: bool) -> str:
+    """k not dividing the experts' shard size (ValueError, also torch's); k < the subclass's
+    mesh size (NotImplementedError: ours at the call, torch's at the backward all-gather)."""
+    try:
+        _experts("main_hsdp" if subclass else "hsdp_2x2", use_torch, False, 2 if subclass else 4, subclass)
+        return "no error"
+    except (NotImplementedError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_int_reshard_after_forward_refusals_like_torch() -> None:
+    for ours, theirs in zip(run_distributed(_int_refusal, 4, False, False), run_distributed(_int_refusal, 4, True, False)):
+        assert ours.startswith("ValueError") and theirs.startswith("ValueError"), (ours, theirs)
+        assert "reshard_after_forward=4 must be a divisor of the shard group size 2 of the mesh shard_placement_fn gave 'experts'" in ours
+    ours, theirs = run_distributed(_int_refusal, 4, False, True)[0], run_distributed(_int_refusal, 4, True, True)[0]
+    assert ours.startswith("NotImplementedError") and theirs.startswith("NotImplementedError"), (ours, theirs)
+    assert "reshard_after_forward=<int> is not supported for tensor-subclass parameters" in ours and "'experts'" in ours, ours
+
+
 def _expert_refusals() -> list[str]:
     from fully_shard import ShardPlacementResult, fully_shard
 
-    expert_mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("rep", "efsdp"))["efsdp"]
     messages = []
-    for info, reshard in ((expert_mesh, 2), ("efsdp", True)):
-        model = ExpertMLP()
-        try:
-            fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), info) if p is model.experts else None,
-                        reshard_after_forward=reshard)
-            messages.append("no error")
-        except (NotImplementedError, ValueError) as e:
-            messages.append(str(e))
+    model = ExpertMLP()
+    try:
+        fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), "efsdp") if p is model.experts else None)
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
     return messages
 
 
 def test_shard_placement_result_refusals() -> None:
-    with_int, no_mesh = run_distributed(_expert_refusals, 4)[0]
-    assert "'experts' is on a mesh of its own" in with_int and "reshard_after_forward=<int>" in with_int, with_int
+    (no_mesh,) = run_distributed(_expert_refusals, 4)[0]
     assert "'experts'" in no_mesh and "holds no DeviceMesh" in no_mesh, no_mesh
