@@ -1,9 +1,8 @@
 """Flat-buffer collectives: the only file that calls torch.distributed collectives.
 
-An all-gather packs every parameter's local shard of a group into one flat input (each
-padded to the same per-rank size), gathers it, and copies the result out into each
-parameter's unsharded buffer. A reduce-scatter chunk-concatenates the group's unsharded
-gradients into one flat input and leaves each rank with its own flat shard.
+An all-gather packs a group's local shards (each padded to its per-rank slot) into one flat input, gathers it and
+copies the result out into the unsharded buffers; a reduce-scatter chunk-concatenates the group's unsharded gradients
+into one flat input and leaves each rank its flat shard. Layouts: docs/design.md, "Buffer layouts".
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ _AVG_SAFE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 class CollectiveEvent:
     """One collective fully_shard issued, for observers (``fully_shard.tools.trace_comm``).
 
-    The observer seam (``add_observer``) is the one internal interface the tools build on:
-    read the fields, never parse ``what``, which is a message for people.
+    The one internal interface the tools build on (``add_observer``): read the fields, never parse ``what`` (for people).
     """
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
@@ -50,9 +48,9 @@ DEBUG_ENV = "FULLY_SHARD_DEBUG"  # "1": debug mode from the start, no code chang
 
 
 class CollectiveMonitor:
-    """Who watches fully_shard's collectives: observers (traces) and the debug mode. The one
-    piece of process-wide mutable state in fully_shard (``comm.monitor``, whose methods the
-    module-level ``add_observer`` ... ``is_debug`` are); the test harness ``reset()``s it."""
+    """Who watches fully_shard's collectives: observers (traces) and the debug mode. The one piece of process-wide
+    mutable state in fully_shard (``comm.monitor``: the module-level ``add_observer`` ... ``is_debug`` are its methods);
+    the test harness ``reset()``s it."""
 
     def __init__(self) -> None:
         self.reset()
@@ -105,9 +103,8 @@ def _check_same_everywhere(group: dist.ProcessGroup, fingerprint: tuple[Any, ...
         )
 
 
-def _issue(
-    kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, call: Callable[[], Any], label: str = ""
-) -> tuple[Any, CollectiveEvent | None]:
+def _issue(kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, call: Callable[[], Any],
+           label: str = "") -> tuple[Any, CollectiveEvent | None]:
     """Issue a collective, checked (debug mode) and observed (traces)."""
     if monitor.debug_counts is not None:
         _check_same_everywhere(group, (kind, what, inp.numel(), str(inp.dtype)), monitor.debug_counts)
@@ -137,19 +134,16 @@ def _wait(work: dist.Work, what: str) -> None:
             # once per process, on stderr: an abort may follow that no exception message survives
             monitor.hint_printed = True
             print(
-                f"fully_shard: a collective failed. If the ranks ran different modules (an exception or "
-                f"a skipped block on some ranks), rerun with the environment variable {DEBUG_ENV}=1: "
-                "every collective is then checked across ranks first and the first divergence raises "
-                "CollectiveMismatchError naming it (see docs/troubleshooting.md).",
-                file=sys.stderr,
-                flush=True,
+                "fully_shard: a collective failed. If the ranks ran different modules (an exception or a skipped block on "
+                f"some ranks), rerun with the environment variable {DEBUG_ENV}=1: every collective is then checked across "
+                "ranks first and the first divergence raises CollectiveMismatchError naming it (see docs/troubleshooting.md).",
+                file=sys.stderr, flush=True,
             )
         raise CollectiveError(
             f"fully_shard: the {what} did not complete: {e}\n"
-            "Another rank has probably failed or stopped issuing the same collectives; this "
-            "rank waits for it up to the process group's timeout (init_process_group(timeout=...)). "
-            "If every rank caught an exception in the same iteration, call reset_iter_state() "
-            "on the root module and carry on; otherwise restart from the last checkpoint. "
+            "Another rank has probably failed or stopped issuing the same collectives; this rank waits for it up to the "
+            "process group's timeout (init_process_group(timeout=...)). If every rank caught an exception in the same "
+            "iteration, call reset_iter_state() on the root module and carry on; otherwise restart from the last checkpoint. "
             f"To find where the ranks diverged, rerun with {DEBUG_ENV}=1."
         ) from e
 
@@ -214,8 +208,7 @@ def _buffer(custom: Any, numel: int, dtype: torch.dtype, device: torch.device) -
     """A 1-D communication buffer; ``custom`` (torch's Comm API): the user allocates it."""
     if custom is None:
         return torch.empty(numel, dtype=dtype, device=device)
-    buffer: torch.Tensor = custom.allocate((numel,), dtype=dtype, device=device)
-    return buffer
+    return cast(torch.Tensor, custom.allocate((numel,), dtype=dtype, device=device))
 
 
 def _collective(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = None,
@@ -253,22 +246,18 @@ class PoolComm:
 
 
 def _start(kind: str, what: str, ranks: Ranks, out: torch.Tensor, inp: torch.Tensor, custom: Any, label: str, **op: Any) -> Any:
-    """Issue an asynchronous all-gather or reduce-scatter of ``inp`` into ``out``, through the
-    user's ``custom`` Comm if set; returns ``_issue``'s (work, event)."""
+    """Issue an async all-gather or reduce-scatter of ``inp`` into ``out`` (through the user's ``custom`` Comm if set)."""
     fn, group = _collective if custom is None else custom, ranks.group
     return _issue(kind, what, group, inp, lambda: fn(output_tensor=out, input_tensor=inp, group=group, async_op=True, **op), label)
 
 
-def all_gather(
-    shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks, dtype: torch.dtype, device: torch.device,
-    what: str, label: str = "", custom: Any = None,
-) -> CollectiveWork:
-    """Pack ``shards`` (1-D, each padded to its ``shard_numels`` entry) into this rank's slot
-    of the output and all-gather in place over ``ranks``.
+def all_gather(shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks, dtype: torch.dtype, device: torch.device,
+               what: str, label: str = "", custom: Any = None) -> CollectiveWork:
+    """Pack ``shards`` (1-D, each padded to its ``shard_numels`` entry) into this rank's slot of the output and
+    all-gather in place over ``ranks``.
 
-    The padding of each slot is left uninitialised: it is copied out into padding rows
-    of the unsharded buffers, which no user ever sees. Over one rank the output would be the
-    packed shards themselves: nothing is packed, and ``copy_out`` copies the shards.
+    Each slot's padding is left uninitialised: it lands in padding rows of the unsharded buffers, which no user sees.
+    Over one rank nothing is packed or gathered: ``copy_out`` copies the shards.
     """
     if ranks.size == 1:
         return CollectiveWork(None, None, None, 1, what, shards=tuple(shards))
@@ -285,9 +274,8 @@ def all_gather(
 def copy_out(work: CollectiveWork, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
     """Wait for an all-gather, then copy its flat output into each parameter's unsharded buffer.
 
-    ``dests[i]`` is a ``(world_size, ...)`` view whose entry ``r`` receives rank ``r``'s slot:
-    2-D and contiguous, ``(world_size, shard_numels[i])``, or strided (a shard dim other than 0).
-    Over one rank (no padding then) the shards themselves are copied.
+    ``dests[i]`` is a ``(world_size, ...)`` view whose entry ``r`` receives rank ``r``'s slot: ``(world_size,
+    shard_numels[i])`` and contiguous, or strided (shard dim > 0). Over one rank (no padding) the shards are copied.
     """
     output, world_size = work.wait(), work.world_size
     # The destinations alias parameters that autograd may have saved for backward:
@@ -309,10 +297,9 @@ def divide_factors(
 ) -> tuple[dist.ReduceOp.RedOpType, float | None, float | None]:
     """How to average: (reduce op, pre-divide, post-divide).
 
-    fp32/bf16 use ``ReduceOp.AVG``; a custom factor divides first and sums (gloo has no
-    ``PREMUL_SUM``). Narrow dtypes (fp16) split the division around the sum, a power of two
-    near the square root first, so neither the summands nor the sum leave their range.
-    ``force_sum`` (``set_force_sum_reduction_for_comms``): sum, then divide once after.
+    fp32/bf16 use ``ReduceOp.AVG``; a custom factor divides first and sums (gloo has no ``PREMUL_SUM``). Narrow dtypes
+    (fp16) split the division around the sum, a power of two near the square root first, so neither the summands nor
+    the sum leave their range. ``force_sum`` (``set_force_sum_reduction_for_comms``): sum, then divide once after.
     """
     if factor is None and dtype in _AVG_SAFE_DTYPES and not force_sum:
         return (dist.ReduceOp.AVG if data_parallel_size > 1 else dist.ReduceOp.SUM), None, None
@@ -325,10 +312,8 @@ def divide_factors(
     return dist.ReduceOp.SUM, pre, total / pre
 
 
-def reduce_scatter(
-    grads: list[torch.Tensor], ranks: Ranks, dtype: torch.dtype, *, dp_size: int, divide_factor: float | None,
-    force_sum: bool, what: str, label: str = "", custom: Any = None,
-) -> ReduceScatterWork:
+def reduce_scatter(grads: list[torch.Tensor], ranks: Ranks, dtype: torch.dtype, *, dp_size: int, divide_factor: float | None,
+                   force_sum: bool, what: str, label: str = "", custom: Any = None) -> ReduceScatterWork:
     """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard.
 
     The division covers all ``dp_size`` data-parallel ranks: with HSDP the caller all-reduces
@@ -337,8 +322,7 @@ def reduce_scatter(
     op, pre, post = divide_factors(dtype, dp_size, divide_factor, force_sum)
     if len({g.dtype for g in grads}) > 1:
         grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]
-    # (world, shard_numel): row r holds every gradient's r-th dim-0 chunk, zero-padded,
-    # cast to the reduce dtype on the way (no separate cast copy)
+    # (world, cols): row r is every gradient's r-th dim-0 chunk, zero-padded, cast on the way (no separate cast copy)
     world = ranks.size
     cols = sum(math.ceil(g.shape[0] / world) * math.prod(g.shape[1:]) for g in grads)
     device, custom = grads[0].device, custom if world > 1 else None

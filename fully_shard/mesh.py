@@ -62,10 +62,9 @@ _MODEL_PARALLEL_DIM_NAMES = ("tp", "cp", "ep", "pp", "tensor", "context", "exper
 
 
 def reshard_setting(value: bool | int | None, n: int, where: str = "") -> bool | int | None:
-    """``reshard_after_forward`` as torch reads it, for a shard group of ``n`` ranks: ``None``
-    or a bool as given; an int ``k`` must divide ``n``; ``n`` means True (reshard to the whole
-    group), 1 means False (keep the full parameters, with a warning, as 1 reads like True);
-    any other ``k`` stays ``k``. Pure: the memory planner reads the option through it too.
+    """``reshard_after_forward`` as torch reads it, for a shard group of ``n`` ranks: ``None`` or a bool as given; an
+    int ``k`` must divide ``n``; ``n`` means True (reshard to the whole group), 1 means False (keep the full parameters,
+    with a warning, as 1 reads like True); any other ``k`` stays ``k``. Pure: the memory planner reads it too.
 
     Example::
 
@@ -81,8 +80,8 @@ def reshard_setting(value: bool | int | None, n: int, where: str = "") -> bool |
         )
     if value == 1:
         warnings.warn(
-            "reshard_after_forward=1 (int) reshards to groups of 1 rank, which keeps the full "
-            "parameters after forward like reshard_after_forward=False; pass True to free them",
+            "reshard_after_forward=1 (int) reshards to groups of 1 rank, which keeps the full parameters after forward "
+            "like reshard_after_forward=False; pass True to free them",
             stacklevel=4,
         )
         return False
@@ -92,11 +91,10 @@ def reshard_setting(value: bool | int | None, n: int, where: str = "") -> bool |
 def resolve_reshard_after_forward(
     value: bool | int | None, info: MeshInfo, params: list[tuple[str, MeshInfo]]
 ) -> tuple[bool | None, dict[int, Ranks]]:
-    """``reshard_after_forward``, once: whether to reshard after forward (``None``: decided at
-    lazy init) and, for an int ``k`` (see :func:`reshard_setting`), per mesh of the call's
-    ``(fqn, mesh)`` ``params`` (by ``id``), the k consecutive ranks of its shard dim that hold
-    the parameters between forward and backward, this rank among them (none where ``k`` is
-    the whole shard dim: those are resharded as with True). ``k`` must divide every mesh's."""
+    """``reshard_after_forward``, once: whether to reshard after forward (``None``: decided at lazy init) and, for an
+    int ``k`` (see :func:`reshard_setting`), per mesh of the call's ``(fqn, mesh)`` ``params`` (by ``id``), the k
+    consecutive ranks of its shard dim that hold the parameters between forward and backward, this rank among them
+    (none where ``k`` is the whole shard dim: resharded as with True). ``k`` must divide every mesh's."""
     if info.shard_mesh_dim is None:
         return False, {}  # DDP: nothing to reshard to; the full parameters stay, as in torch
     setting = reshard_setting(value, info.shard.size)

@@ -18,8 +18,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from .mesh import MeshInfo
 from .policy import MixedPrecisionPolicy
 
-# the attribute, on an original parameter and its sharded replacement, that names the
-# fully_shard call owning them (``ShardedParam.owner``)
+# on an original parameter and its sharded replacement: the fully_shard call owning them (``ShardedParam.owner``)
 OWNER_ATTR = "_fully_shard_owner"
 
 
@@ -66,9 +65,8 @@ def shard_layout(shape: Sequence[int], world: int, rank: int) -> ShardLayout:
 
 
 def param_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
-    """``(unsharded dtype, reduce dtype)`` of a parameter stored in ``dtype``: the all-gather and
-    compute dtype (``param_dtype`` casts floating-point parameters only), and the gradient
-    reduction's (``reduce_dtype``, else the unsharded one).
+    """``(unsharded dtype, reduce dtype)`` of a parameter stored in ``dtype``: all-gather and compute (``param_dtype``
+    casts floating-point parameters only); gradient reduction (``reduce_dtype``, else the unsharded dtype).
 
     Example::
 
@@ -86,13 +84,9 @@ def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
 class ShardedParam:
     """A parameter sharded over the shard dim of the mesh, on tensor dim ``shard_dim``.
 
-    Dim 0 is laid out by :func:`shard_layout`: the unsharded buffer has ``N`` padded slots
-    of ``c`` rows, of which the first ``n`` rows are the parameter. Other dims
-    (``shard_placement_fn``) must divide evenly.
-
-    A DTensor parameter (tensor parallelism) is sharded on its local tensor; its sharded
-    DTensor lives on the mesh that joins the data-parallel and the TP mesh, and the
-    unsharded parameter is the TP DTensor the module expects.
+    Dim 0 is laid out by :func:`shard_layout` (the unsharded buffer: ``N`` padded slots of ``c`` rows, the first ``n``
+    rows the parameter); other dims (``shard_placement_fn``) must divide evenly. A DTensor (TP) parameter is sharded on
+    its local tensor; its sharded DTensor lives on the joined dp and TP mesh, its unsharded one is the TP DTensor.
     """
 
     def __init__(
@@ -100,10 +94,7 @@ class ShardedParam:
         mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool, shard_dim: int = 0,
     ) -> None:
         if param.dim() == 0:
-            raise ValueError(
-                f"fully_shard cannot shard the scalar parameter {fqn!r}: give it shape (1,) or "
-                "pass it in ignored_params"
-            )
+            raise ValueError(f"fully_shard cannot shard the scalar parameter {fqn!r}: give it shape (1,) or pass it in ignored_params")
         self.local_fqn = fqn  # relative to the module(s) given to fully_shard
         self.fqn = fqn  # relative to the root, once lazy init knows it
         self.uses = uses  # every (module, attribute name) that registers this parameter
@@ -114,7 +105,6 @@ class ShardedParam:
         # offloading keeps the sharded parameter (and so its grad and optimizer state) on the CPU
         self.shard_device = torch.device("cpu") if offload else device
 
-        # tensor parallelism: FSDP shards the TP-local tensor
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         if mesh_info.spmd_mesh is not None:
             _check_spmd_param(param, fqn, mesh_info)
@@ -133,9 +123,8 @@ class ShardedParam:
         self.shard_dim = shard_dim
         if shard_dim > 0 and self.size[shard_dim] % world:
             raise ValueError(
-                f"fully_shard: shard_placement_fn put parameter {fqn!r} of shape "
-                f"{tuple(self.size)} on Shard({shard_dim}), which {world} ranks do not divide "
-                "evenly; only dim 0 may be uneven. Return Shard(0) (or None) for it."
+                f"fully_shard: shard_placement_fn put parameter {fqn!r} of shape {tuple(self.size)} on Shard({shard_dim}), "
+                f"which {world} ranks do not divide evenly; only dim 0 may be uneven. Return Shard(0) (or None) for it."
             )
         self.padded_shape = tuple(self.size)
         if shard_dim == 0:
@@ -172,19 +161,16 @@ class ShardedParam:
         self.owner: object = None  # the fully_shard call that owns it (api's ``_Owner``)
 
     def set_owner(self, owner: object) -> None:
-        """Record the owner, on the sharded parameter too (again whenever it is replaced or
-        swapped: ``refresh_after_apply``, which ``adopt`` ends with)."""
+        """Record the owner on the sharded parameter too (again when that is replaced or swapped: ``refresh_after_apply``)."""
         self.owner = owner
         self.sharded_param.__dict__[OWNER_ATTR] = owner
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
-        # all-gather and compute; reduce-scatter
-        self.unsharded_dtype, self.reduce_dtype = param_dtypes(dtype, self.mp_policy)
+        self.unsharded_dtype, self.reduce_dtype = param_dtypes(dtype, self.mp_policy)  # all-gather and compute; reduce-scatter
 
     def refresh_after_apply(self) -> None:
-        """After ``to_empty()`` / ``to()`` / ``.double()``: keep offloaded shards on the CPU,
-        and follow a new dtype."""
+        """After ``to_empty()`` / ``to()`` / ``.double()``: keep offloaded shards on the CPU, and follow a new dtype."""
         local = self.local_shard
         if not local.is_meta and local.device != self.shard_device:
             moved = nn.Parameter(self.to_sharded_dtensor(local.to(self.shard_device)), requires_grad=self.sharded_param.requires_grad)
@@ -237,8 +223,7 @@ class ShardedParam:
         return self.sharded_param._local_tensor  # type: ignore[attr-defined, no-any-return]
 
     def flat_shard(self) -> torch.Tensor:
-        """This rank's part, 1-D: the all-gather input. The view is kept while the local
-        tensor is the same (contiguous) object, rather than made again at every all-gather."""
+        """This rank's part, 1-D: the all-gather input (the view is cached while the local tensor is the same object)."""
         local = self.local_shard
         if self._flat[0] is not local:
             self._flat = (local, local.view(-1) if local.is_contiguous() else None)
@@ -258,10 +243,7 @@ class ShardedParam:
                 "(e.g. through torch.distributed.checkpoint), not as a full tensor"
             )
         if full.shape != self.size:
-            raise ValueError(
-                f"load_state_dict: {key!r} has shape {tuple(full.shape)}, the parameter "
-                f"{tuple(self.size)}"
-            )
+            raise ValueError(f"load_state_dict: {key!r} has shape {tuple(full.shape)}, the parameter {tuple(self.size)}")
         local = self.local_part(full).to(device=self.local_shard.device, dtype=self.dtype)
         return self.to_sharded_dtensor(local.contiguous())
 
@@ -269,9 +251,8 @@ class ShardedParam:
         """``what`` (``load_state_dict(assign=True)``) registered ``param``: make it the sharded one."""
         if param.placements != self._spec.placements or param.shape != self.sharded_param.shape:
             raise ValueError(
-                f"{what}: {self.fqn!r} got a DTensor with placements "
-                f"{param.placements} and shape {tuple(param.shape)}; fully_shard laid it out as "
-                f"{self._spec.placements} with shape {tuple(self.sharded_param.shape)}"
+                f"{what}: {self.fqn!r} got a DTensor with placements {param.placements} and shape {tuple(param.shape)}; "
+                f"fully_shard laid it out as {self._spec.placements} with shape {tuple(self.sharded_param.shape)}"
             )
         new = param if isinstance(param, nn.Parameter) else nn.Parameter(param, requires_grad=self.sharded_param.requires_grad)
         self.sharded_param = new
@@ -279,10 +260,9 @@ class ShardedParam:
         self.refresh_after_apply()
 
     def pick_up_replacement(self, managed: set[int]) -> None:
-        """Shard a parameter the user registered in place of the sharded one before the first
-        forward (e.g. ``model.w = nn.Parameter(f(a.weight, b.weight))`` once ``a`` and ``b``
-        are materialised), as torch's FSDP2 does at lazy init: a DTensor laid out like the
-        parameter is taken as is, a full tensor of its shape is cut to this rank's part."""
+        """Shard a parameter registered in place of the sharded one before the first forward (e.g. ``model.w =
+        nn.Parameter(f(a.weight, b.weight))`` once ``a`` and ``b`` are materialised), as torch's FSDP2 does at lazy
+        init: a DTensor with the parameter's layout is taken as is, a full tensor of its shape is cut to this rank's part."""
         module, name = self.uses[0]
         current = module._parameters.get(name)
         if current is None or current is self.sharded_param or current is self.unsharded_param:
@@ -307,9 +287,8 @@ class ShardedParam:
     def check_materialized(self) -> None:
         if self.local_shard.is_meta:
             raise RuntimeError(
-                f"parameter {self.fqn!r} is still on the meta device at the first forward: call "
-                "model.to_empty(device=...) and initialise the parameters (e.g. "
-                "model.reset_parameters()) after fully_shard and before running forward"
+                f"parameter {self.fqn!r} is still on the meta device at the first forward: call model.to_empty(device=...) "
+                "and initialise the parameters (e.g. model.reset_parameters()) after fully_shard and before running forward"
             )
 
     # -- unsharded side ------------------------------------------------------------
@@ -334,9 +313,8 @@ class ShardedParam:
         self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
 
     def gather_dest(self, world: int) -> torch.Tensor:
-        """Where a gathered ``(world, slot)`` block lands: the flat buffer viewed as ``(world,
-        slot)``, or for a shard dim d > 0, a ``(world, *local_shape)`` strided view putting each
-        rank's part in place. Made once: a view keeps following the storage's resizes."""
+        """Where a gathered ``(world, slot)`` block lands: the flat buffer as ``(world, slot)``, or for a shard dim d > 0
+        a ``(world, *local_shape)`` strided view putting each rank's part in place. Made once: a view follows resizes."""
         assert self._padded_unsharded is not None
         if world != self.mesh_info.shard.size:  # a k-rank post-forward gather of the flat buffer
             return self._padded_unsharded.view(world, -1)
@@ -359,11 +337,10 @@ class ShardedParam:
         if self.unsharded_param is not None and self.unsharded_param._version != self._unsharded_version:
             self.note_unsharded_version()
             raise RuntimeError(
-                f"fully_shard: parameter {self.fqn!r} was modified in place while it was unsharded "
-                "(between its all-gather and its reshard, e.g. between forward and backward). "
-                "The change is not written back to the shard and would be lost. Modify "
-                "parameters outside forward/backward, where they are the sharded DTensors, e.g. "
-                "`with torch.no_grad(): p.mul_(0.5)` before the next forward."
+                f"fully_shard: parameter {self.fqn!r} was modified in place while it was unsharded (between its "
+                "all-gather and its reshard, e.g. between forward and backward). The change is not written back to the "
+                "shard and would be lost. Modify parameters outside forward/backward, where they are the sharded "
+                "DTensors, e.g. `with torch.no_grad(): p.mul_(0.5)` before the next forward."
             )
 
     def free_unsharded(self) -> None:
@@ -398,9 +375,8 @@ class ShardedParam:
         return [t.reshape(-1).view(torch.uint8) for t in inputs], slots
 
     def ext_gather_dests(self) -> list[torch.Tensor]:
-        """The persistent all-gather outputs (storage given back after a reshard) as ``(world,
-        ...)`` byte views like :meth:`gather_dest`'s: the subclass's unsharded tensors may alias
-        them from the first all-gather on."""
+        """The persistent all-gather outputs (storage given back after a reshard) as ``(world, ...)`` byte views like
+        :meth:`gather_dest`'s: the subclass's unsharded tensors may alias them from the first all-gather on."""
         world, d = self.mesh_info.shard.size, self.shard_dim
         if self._ext_outputs is None:
             self._ext_outputs = [
@@ -467,8 +443,7 @@ class ShardedParam:
 
 
 def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> None:
-    """Add each parameter's reduced part (its local rows, any layout of the right size) to its
-    sharded gradient, or set it: one foreach add."""
+    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set it."""
     adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for p, part in zip(params, parts):
         local = part.view(p.local_shape)
@@ -485,8 +460,7 @@ def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tenso
 
 
 def reduced_parts(params: list[ShardedParam], flat: torch.Tensor) -> list[torch.Tensor]:
-    """Each parameter's slot of a reduced ``flat`` (1-D: the padded slots in order; its rows
-    lead each slot), without the padding: one split."""
+    """Each parameter's rows of a reduced ``flat`` (1-D: the padded slots in order, rows first), padding dropped."""
     sizes = [n for p in params for n in (p.local_shape.numel(), p.shard_numel - p.local_shape.numel())]
     return list(flat.split_with_sizes(sizes)[::2])
 
@@ -503,9 +477,8 @@ def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
         if not isinstance(param.placements[i], Replicate):
             names = param.device_mesh.mesh_dim_names or ()
             raise ValueError(
-                f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has placement "
-                f"{param.placements[i]} on the data-parallel mesh dim {names[i]!r}; it must be "
-                "Replicate() there"
+                f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has placement {param.placements[i]} on the "
+                f"data-parallel mesh dim {names[i]!r}; it must be Replicate() there"
             )
 
 
@@ -517,8 +490,7 @@ def _alloc_storage(t: torch.Tensor) -> None:
 
 
 def _uses_extension(data: torch.Tensor, fqn: str) -> bool:
-    """Whether ``data`` is a tensor subclass that all-gathers itself; raise for a subclass
-    that fully_shard would otherwise turn into a plain tensor."""
+    """Whether ``data`` is a tensor subclass that all-gathers itself; raise for one that sharding would make plain."""
     if getattr(type(data), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
         return False  # plain data (nn.Parameter and its subclasses)
     has = [hasattr(data, "fsdp_pre_all_gather"), hasattr(data, "fsdp_post_all_gather")]

@@ -16,15 +16,12 @@ class MixedPrecisionPolicy:
     Args:
         param_dtype: dtype of the all-gathered (unsharded) parameters used in forward and
             backward. ``None`` keeps each parameter's original dtype.
-        reduce_dtype: dtype in which gradients are reduce-scattered. ``None`` means
-            ``param_dtype``.
-        output_dtype: dtype to which floating-point forward outputs are cast. ``None``
-            leaves outputs alone.
+        reduce_dtype: dtype in which gradients are reduce-scattered. ``None`` means ``param_dtype``.
+        output_dtype: dtype to which floating-point forward outputs are cast. ``None`` leaves outputs alone.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
 
-    Every field is checked here: a dtype field that is not a ``torch.dtype`` (e.g. the
-    string ``"bfloat16"``) raises ``TypeError``, a non-floating dtype ``ValueError``,
-    naming the field.
+    Every field is checked here: a dtype field that is not a ``torch.dtype`` (e.g. the string ``"bfloat16"``) raises
+    ``TypeError``, a non-floating dtype ``ValueError``, naming the field.
 
     Example::
 
@@ -71,8 +68,7 @@ class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters, their gradients and optimizer state in host memory.
 
     Args:
-        pin_memory: pin the host copies so device transfers are asynchronous (ignored on a
-            machine with no accelerator).
+        pin_memory: pin the host copies so device transfers are asynchronous (ignored without an accelerator).
 
     Example::
 
@@ -87,10 +83,9 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 @dataclass
 class DataParallelMeshDims:
-    """Which named dims of a full SPMD mesh are data-parallel, for ``fully_shard(...,
-    dp_mesh_dims=)``: parameters are then DTensors on that whole mesh, ``Replicate()`` on
-    these dims, and fully_shard shards them over ``shard`` (and replicates over ``replicate``,
-    HSDP). A tuple of names is flattened into one dim.
+    """Which named dims of a full SPMD mesh are data-parallel, for ``fully_shard(..., dp_mesh_dims=)``: parameters are
+    then DTensors on that whole mesh, ``Replicate()`` on these dims, and fully_shard shards them over ``shard`` (and
+    replicates over ``replicate``, HSDP). A tuple of names is flattened into one dim.
 
     Example::
 

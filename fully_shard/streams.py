@@ -1,17 +1,10 @@
 """Streams and events: the only file that knows whether a device has them.
 
-On a device with streams (CUDA and alike) fully_shard overlaps communication with compute:
-
-- all-gather copy-in runs on the ``copy_in`` stream (after whatever last wrote the shards:
-  the optimizer step, or ``set_post_optim_event``), which also issues the all-gather, so the
-  collective starts only once its input is packed;
-- the copy-out runs on the current stream, which first waits for the collective;
-- reduce-scatter and the HSDP all-reduce run on the ``reduce_scatter`` stream, after it
-  waits for the current stream (where autograd computed the gradients).
-
-No buffer is ever handed to ``Tensor.record_stream``: a buffer used on another stream stays
-referenced until an event proves its last consumer finished (``Streams.hold_all_gather``).
-On the CPU every method is a no-op on the same code path; tests pass a recording ``Backend``.
+On a device with streams (CUDA and alike) an all-gather is packed and issued on the ``copy_in`` stream and copied out
+on the current one; reductions run on the ``reduce_scatter`` stream (the waits between them: docs/design.md, "Streams").
+No buffer is ever handed to ``Tensor.record_stream``: a buffer used on another stream stays referenced until an event
+proves its last consumer finished (``Streams.hold_all_gather``). On the CPU every method is a no-op on the same code
+path; tests pass a recording ``Backend``.
 """
 
 from __future__ import annotations
@@ -62,9 +55,8 @@ def has_streams(device: torch.device) -> bool:
 
 
 def accelerator_type() -> str:
-    """This machine's accelerator type (``torch.accelerator``), else ``"cuda"``: the device
-    type that stands for "a device with streams" where one must be named without a device at
-    hand (the memory planner's default). The only place fully_shard spells a device name."""
+    """This machine's accelerator type, else ``"cuda"``: the type that stands for "a device with streams" where none is
+    at hand (the memory planner's default). The only place fully_shard spells a device name."""
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return accelerator.type if accelerator is not None else "cuda"
 
@@ -82,9 +74,7 @@ class Streams:
         if backend is not None:
             self.copy_in = backend.new_stream(device, "copy_in")
             self.reduce_scatter = backend.new_stream(device, "reduce_scatter")
-        # the last all-gather's buffers, kept alive until the copy-in stream has waited for
-        # the event recorded after their last use: then it may reuse their memory
-        self._held_all_gather: tuple[tuple[Any, ...], Any] | None = None
+        self._held_all_gather: tuple[tuple[Any, ...], Any] | None = None  # (buffers, event): see hold_all_gather
 
     def current(self) -> Any:
         return self.backend.current_stream(self.device) if self.backend is not None else None
@@ -120,17 +110,15 @@ class Streams:
         return self.backend.record_event(self.current() if name is None else getattr(self, name))
 
     def hold_all_gather(self, *buffers: Any) -> None:
-        """Keep an all-gather's buffers until the copy-in stream has waited for an event
-        recorded after their copy-out (on the current stream): the next copy-in may then
-        reuse the memory. Releases the previously held ones first (see ``release_all_gather``)."""
+        """Keep an all-gather's buffers until the copy-in stream has waited for an event recorded after their copy-out
+        (on the current stream): the next copy-in may then reuse the memory. Releases the previously held ones first."""
         if self.backend is None:
             return
         self.release_all_gather()
         self._held_all_gather = (buffers, self.record())
 
     def release_all_gather(self) -> None:
-        """Before the copy-in stream allocates again: wait for the held buffers' last use,
-        then drop them."""
+        """Before the copy-in stream allocates again: wait for the held buffers' last use, then drop them."""
         held, self._held_all_gather = self._held_all_gather, None
         if held is not None and self.backend is not None:
             self.backend.wait_event(self.copy_in, held[1])
