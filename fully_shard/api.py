@@ -25,17 +25,14 @@ from .streams import Streams, has_streams
 
 @dataclass
 class ShardPlacementResult:
-    """What ``shard_placement_fn`` may return to name the mesh as well as the placement.
-
-    ``mesh_info`` is torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` (e.g. from torch's
-    ``_get_mesh_info(mesh, dp_mesh_dims)``, as torchtitan builds them), or anything with a
-    ``mesh`` attribute, read as ``fully_shard``'s ``mesh=`` is. A parameter on another mesh
-    than the call's (e.g. expert weights on the expert mesh) is gathered and reduced in
-    collectives of its own mesh, as torch's FSDP2 does with one parameter group per mesh.
+    """What ``shard_placement_fn`` may return to give a parameter a mesh of its own as well as its
+    placement: ``mesh_info`` is torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` (as torchtitan builds them),
+    a ``DeviceMesh`` or anything with a ``mesh``. Such parameters (e.g. expert weights) are gathered and
+    reduced in collectives of their own mesh, as torch's FSDP2 does with one parameter group per mesh.
 
     Example::
 
-        >>> experts = set(moe.experts.parameters())  # sharded over the 2 ranks of expert_mesh
+        >>> experts = set(moe.experts.parameters())  # sharded over the ranks of expert_mesh
         >>> fully_shard(moe, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), expert_mesh) if p in experts else None)
     """
 
@@ -55,9 +52,8 @@ class ShardedDeepcopyError(RuntimeError, AssertionError):
 
 @dataclass(eq=False)
 class _Owner:
-    """Which fully_shard call sharded a parameter, kept on the original and the sharded
-    parameter (``OWNER_ATTR``): tells a later call that reaches the same parameter whether
-    it runs top-down or ties parameters across groups."""
+    """Which fully_shard call sharded a parameter, kept on the original and the sharded one
+    (``OWNER_ATTR``): a later call reaching it runs top-down, or ties parameters across groups."""
 
     fqn: str  # relative to ``modules``
     modules: tuple[nn.Module, ...]
@@ -68,11 +64,8 @@ class _Owner:
 
 
 class _ReplacedParameter(nn.Parameter):
-    """A parameter fully_shard replaced by a sharded one (its class is swapped to this).
-
-    Reading its ``.grad`` (an optimizer's step or ``zero_grad``) raises: an optimizer built
-    before fully_shard holds it and would update a tensor the model no longer uses.
-    """
+    """The class of a parameter fully_shard replaced by a sharded one: reading its ``.grad`` raises, as
+    an optimizer built before fully_shard (its step or ``zero_grad``) would update a dead tensor."""
 
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
@@ -196,16 +189,9 @@ def fully_shard(
 
 
 def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: Any) -> None:
-    """The checks ``fully_shard`` makes of its policies and ``reshard_after_forward`` before
-    it looks at the mesh (an int is checked against the shard size by
-    ``mesh.resolve_reshard_after_forward``). Pure: the memory planner makes them too.
-
-    Example::
-
-        >>> check_options(MixedPrecisionPolicy(), OffloadPolicy(), "yes")
-        Traceback (most recent call last):
-        ValueError: reshard_after_forward must be a bool, an int or None, got 'yes'
-    """
+    """The checks ``fully_shard`` makes of its policies and ``reshard_after_forward`` before it looks
+    at the mesh (which ``mesh.resolve_reshard_after_forward`` checks an int against). Pure: the
+    memory planner makes them too."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -397,16 +383,14 @@ def _fsdp_class(cls: type) -> type:
 
 def _no_deepcopy(self: nn.Module, memo: Any) -> Any:
     raise ShardedDeepcopyError(
-        f"copy.deepcopy is not supported on {type(self).__name__}, a module sharded by "
-        "fully_shard: its parameters alternate between sharded DTensors and views of "
-        "communication buffers. Deep-copy the model before calling fully_shard, or build a "
-        "new model and load_state_dict(model.state_dict())."
+        f"copy.deepcopy is not supported on {type(self).__name__}, a module sharded by fully_shard: its parameters "
+        "alternate between sharded DTensors and views of communication buffers. Deep-copy the model before calling "
+        "fully_shard, or build a new model and load_state_dict(model.state_dict())."
     )
 
 
 class UnshardHandle:
-    """The all-gather issued by ``FSDPModule.unshard(async_op=True)``. Constructed directly
-    (``UnshardHandle()``) it has nothing to wait for, as in torch.
+    """The all-gather issued by ``FSDPModule.unshard(async_op=True)`` (``UnshardHandle()``: nothing to wait for).
 
     Example::
 
@@ -425,10 +409,8 @@ class UnshardHandle:
 
 
 class FSDPModule:
-    """Mixed into the class of every module passed to :func:`fully_shard`.
-
-    ``isinstance(m, FSDPModule)`` tells whether ``m`` was sharded; ``isinstance`` with the
-    original class still holds. The methods below control communication.
+    """Mixed into the class of every module passed to :func:`fully_shard` (``isinstance`` with the
+    original class still holds). The methods below control communication.
 
     Example::
 
@@ -445,8 +427,7 @@ class FSDPModule:
     _fsdp_use_orig_params = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # nn.Sequential / nn.ModuleList slicing builds ``self.__class__(...)``: hand back
-        # an instance of the original class, which nobody has sharded
+        # nn.Sequential / nn.ModuleList slicing builds ``self.__class__(...)``: an unsharded original-class instance
         orig_cls = cls.__mro__[cls.__mro__.index(FSDPModule) + 1]
         self = orig_cls.__new__(orig_cls, *args, **kwargs)
         self.__init__(*args, **kwargs)
@@ -489,11 +470,8 @@ class FSDPModule:
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters now, e.g. to prefetch ahead of forward.
-
-        With ``async_op=True`` returns an :class:`UnshardHandle` to wait on; otherwise waits
-        and returns None. The next forward finds the parameters already gathered.
-        """
+        """All-gather this module's parameters now, e.g. to prefetch ahead of forward (which then finds
+        them gathered): returns an :class:`UnshardHandle` to wait on with ``async_op=True``, else waits."""
         group = state_of(self).group  # type: ignore[arg-type]
         if group is not None:
             for p in group.params:
@@ -587,12 +565,7 @@ class FSDPModule:
 
         Example::
 
-            >>> class MyAllGather:
-            ...     def allocate(self, size, *, dtype, device):
-            ...         return torch.empty(*size, dtype=dtype, device=device)
-            ...     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            ...         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-            >>> block.set_custom_all_gather(MyAllGather())
+            >>> block.set_custom_all_gather(MyAllGather())  # e.g. all_gather_into_tensor in __call__
         """
         _check_comm(comm, "set_custom_all_gather")
         self._set("all_gather_comm", comm, False)
@@ -605,10 +578,9 @@ class FSDPModule:
         self._set("reduce_scatter_comm", comm, False)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
-        """Call ``hook(output)`` on each reduced flat gradient shard (the reduce-scatter or,
-        HSDP, the all-reduce output) before it is divided and accumulated, on the reduce-scatter
-        stream or on ``stream`` (not with HSDP, as in torch), which waits for the reduction and
-        is waited for by what follows.
+        """Call ``hook(output)`` on each reduced flat gradient shard (the reduce-scatter or, HSDP, the
+        all-reduce output) before it is divided and accumulated, on the reduce-scatter stream or on
+        ``stream`` (not with HSDP, as in torch), ordered after the reduction and before what follows.
 
         Example::
 
@@ -631,9 +603,8 @@ class FSDPModule:
         self._set("force_sum_reduction", enable, False)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Keep up to this many reductions (reduce-scatter inputs) in flight in backward: each
-        post-backward issues its own, then finishes the oldest down to that many (1: the previous
-        group's). The largest under a root applies, as in torch.
+        """Keep up to this many reductions (reduce-scatter inputs) in flight in backward (1: the previous
+        group's is finished once the next is issued). The largest under a root applies, as in torch.
 
         Example::
 
@@ -659,9 +630,8 @@ class FSDPModule:
             group.reduce_scatter_groups = {k: separate_group(i, made, old.get(k)) for k, i in infos.items()} if enable else {}
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Allocate this module's communication buffers from the process group's own allocator
-        where its backend has one (NCCL: zero-copy transfers), else as before (gloo); not with a
-        custom Comm.
+        """Allocate this module's communication buffers from the process group's own allocator where its
+        backend has one (NCCL: zero-copy transfers), else as before (gloo); not with a custom Comm.
 
         Example::
 
@@ -722,9 +692,8 @@ def _check_comm(comm: Any, method: str) -> None:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Let several roots (e.g. the stages of a pipeline) share one set of communication
-    streams, so their buffers do not fragment memory across streams. Call it before their
-    first forward. No effect on the CPU, which has no streams.
+    """Let several roots (e.g. pipeline stages) share one set of communication streams, so their buffers
+    do not fragment memory across streams. Call it before their first forward. No effect on the CPU.
 
     Example::
 
