@@ -15,9 +15,10 @@ from .api import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from .comm import CollectiveError, CollectiveMismatchError
+from .comm import CollectiveError
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .tools.clip import clip_grad_norm_
+from .tools.debug import CollectiveMismatchError
 from .tools.init import broadcast_full_state_dict, materialize
 from .tools.plan import plan
 

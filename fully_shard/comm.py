@@ -8,7 +8,6 @@ into one flat input and leaves each rank its flat shard. Layouts: docs/design.md
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,22 +43,21 @@ class CollectiveEvent:
     label: str = ""  # the fully_shard group it is for: the module's FQN, "<Class> (root)" for the root
 
 
-DEBUG_ENV = "FULLY_SHARD_DEBUG"  # "1": debug mode from the start, no code change needed
+DEBUG_ENV = "FULLY_SHARD_DEBUG"  # "1": the debug mode (fully_shard.tools.debug) from the start, no code change needed
 
 
 class CollectiveMonitor:
-    """Who watches fully_shard's collectives: observers (traces) and the debug mode. The one piece of process-wide
-    mutable state in fully_shard (``comm.monitor``: the module-level ``add_observer`` ... ``is_debug`` are its methods);
-    the test harness ``reset()``s it."""
+    """Who watches fully_shard's collectives: ``checks`` called before each is issued, with ``(kind, what, group,
+    input)`` (the debug mode, ``fully_shard.tools.debug``), and observers after it completes (traces). The one piece of
+    process-wide mutable state in fully_shard (``comm.monitor``); the test harness ``reset()``s it."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        """No observers; debug mode as ``FULLY_SHARD_DEBUG`` says; the failure hint not shown yet."""
+        """No checks, no observers; the failure hint not shown yet."""
+        self.checks: list[Callable[[str, str, dist.ProcessGroup, torch.Tensor], None]] = []
         self.observers: list[Callable[[CollectiveEvent], None]] = []
-        self.debug_counts: dict[int, int] | None = None  # debug mode: collectives issued per group
-        self.set_debug(os.environ.get(DEBUG_ENV, "") == "1")
         self.hint_printed = False
 
     def add_observer(self, fn: Callable[[CollectiveEvent], None]) -> None:
@@ -69,45 +67,16 @@ class CollectiveMonitor:
     def remove_observer(self, fn: Callable[[CollectiveEvent], None]) -> None:
         self.observers.remove(fn)
 
-    def set_debug(self, enabled: bool) -> None:
-        """Debug mode: before each collective, ranks exchange what they are about to issue and
-        raise on the first divergence instead of hanging in mismatched collectives."""
-        self.debug_counts = {} if enabled else None
-
-    def is_debug(self) -> bool:
-        return self.debug_counts is not None
-
 
 monitor = CollectiveMonitor()
 add_observer, remove_observer = monitor.add_observer, monitor.remove_observer
-set_debug, is_debug = monitor.set_debug, monitor.is_debug
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Debug mode found that the ranks of a group are about to issue different collectives."""
-
-
-def _check_same_everywhere(group: dist.ProcessGroup, fingerprint: tuple[Any, ...], counts: dict[int, int]) -> None:
-    index = counts.get(id(group), 0)
-    counts[id(group)] = index + 1
-    gathered: list[Any] = [None] * group.size()
-    dist.all_gather_object(gathered, fingerprint, group=group)
-    if any(f != gathered[0] for f in gathered):
-        ranks = dist.get_process_group_ranks(group)
-        lines = "\n".join(f"  rank {r}: {f[0]} {f[1]!r}, {f[2]} elements of {f[3]}" for r, f in zip(ranks, gathered))
-        raise CollectiveMismatchError(
-            f"fully_shard debug mode: collective #{index} of the group of ranks {ranks} differs "
-            f"across ranks:\n{lines}\nEvery rank must run the same modules in the same order "
-            "(data-dependent control flow around fully_shard modules, or a module used on some "
-            "ranks only, makes them diverge)."
-        )
 
 
 def _issue(kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, call: Callable[[], Any],
            label: str = "") -> tuple[Any, CollectiveEvent | None]:
     """Issue a collective, checked (debug mode) and observed (traces)."""
-    if monitor.debug_counts is not None:
-        _check_same_everywhere(group, (kind, what, inp.numel(), str(inp.dtype)), monitor.debug_counts)
+    for check in monitor.checks:
+        check(kind, what, group, inp)
     event = None
     if monitor.observers:
         backward = torch._C._current_graph_task_id() != -1
@@ -130,7 +99,7 @@ def _wait(work: dist.Work, what: str) -> None:
     try:
         work.wait()
     except RuntimeError as e:
-        if not (monitor.hint_printed or monitor.is_debug()):
+        if not (monitor.hint_printed or monitor.checks):
             # once per process, on stderr: an abort may follow that no exception message survives
             monitor.hint_printed = True
             print(

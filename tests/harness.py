@@ -202,6 +202,8 @@ def _reset_distributed_state(store: Any, state: dict[str, int], rank: int, world
     comm = sys.modules.get("fully_shard.comm")
     if comm is not None:
         comm.monitor.reset()  # observers and debug mode a previous test may have left on
+        if os.environ.get(comm.DEBUG_ENV, "") == "1":
+            sys.modules["fully_shard.tools.debug"].set_debug(True)  # the run's own FULLY_SHARD_DEBUG=1 stays on
     if not dist.is_initialized():
         # The previous test destroyed the default group; every rank sees the
         # same thing (a test that fails on some ranks discards the pool), so

@@ -454,7 +454,7 @@ def test_env_var_switches_on_debug_mode() -> None:
     import subprocess
     import sys
 
-    code = "from fully_shard import comm; print(comm.is_debug())"
+    code = "from fully_shard.tools import is_debug; print(is_debug())"
     env = {**os.environ, "FULLY_SHARD_DEBUG": "1"}
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     env.pop("FULLY_SHARD_DEBUG")
@@ -471,7 +471,7 @@ def test_failed_collective_prints_the_debug_hint_once(capsys: pytest.CaptureFixt
     from fully_shard import comm
 
     monkeypatch.setattr(comm.monitor, "hint_printed", False)
-    monkeypatch.setattr(comm.monitor, "debug_counts", None)
+    monkeypatch.setattr(comm.monitor, "checks", [])
     for _ in range(2):
         with pytest.raises(comm.CollectiveError, match="rerun with FULLY_SHARD_DEBUG=1") as info:
             comm._wait(_FailedWork(), "all-gather of layers.1's parameters")  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ Example::
 
 from ..param import ShardLayout, shard_layout
 from .clip import clip_grad_norm_
-from .debug import CollectiveMismatchError, debug_collectives
+from .debug import CollectiveMismatchError, debug_collectives, is_debug, set_debug
 from .models import PRESETS, hf_model, load_model
 from .plan import GroupPlan, Plan, plan
 from .plan_plot import memory_figure, save_memory_plot
@@ -33,4 +33,6 @@ __all__ = [
     "CommTrace",
     "debug_collectives",
     "CollectiveMismatchError",
+    "is_debug",
+    "set_debug",
 ]

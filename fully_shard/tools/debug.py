@@ -3,13 +3,60 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from .. import comm
 
-__all__ = ["debug_collectives", "CollectiveMismatchError"]
+__all__ = ["debug_collectives", "CollectiveMismatchError", "is_debug", "set_debug"]
 
-CollectiveMismatchError = comm.CollectiveMismatchError
+
+class CollectiveMismatchError(RuntimeError):
+    """Debug mode found that the ranks of a group are about to issue different collectives."""
+
+
+class _SameEverywhere:
+    """A ``comm.monitor`` check: the ranks of the group exchange what they are about to issue (one small
+    ``all_gather_object``) and raise on the first divergence instead of hanging in mismatched collectives."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}  # collectives issued per group
+
+    def __call__(self, kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor) -> None:
+        index = self.counts.get(id(group), 0)
+        self.counts[id(group)] = index + 1
+        gathered: list[Any] = [None] * group.size()
+        dist.all_gather_object(gathered, (kind, what, inp.numel(), str(inp.dtype)), group=group)
+        if any(f != gathered[0] for f in gathered):
+            ranks = dist.get_process_group_ranks(group)
+            lines = "\n".join(f"  rank {r}: {f[0]} {f[1]!r}, {f[2]} elements of {f[3]}" for r, f in zip(ranks, gathered))
+            raise CollectiveMismatchError(
+                f"fully_shard debug mode: collective #{index} of the group of ranks {ranks} differs "
+                f"across ranks:\n{lines}\nEvery rank must run the same modules in the same order "
+                "(data-dependent control flow around fully_shard modules, or a module used on some "
+                "ranks only, makes them diverge)."
+            )
+
+
+def is_debug() -> bool:
+    """Whether the debug mode is on (``FULLY_SHARD_DEBUG=1``, :func:`set_debug` or inside :func:`debug_collectives`)."""
+    return any(isinstance(c, _SameEverywhere) for c in comm.monitor.checks)
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn the debug mode on or off for the whole process (see :func:`debug_collectives`).
+
+    Example::
+
+        >>> fully_shard.tools.set_debug(True)  # as FULLY_SHARD_DEBUG=1 does at import
+    """
+    comm.monitor.checks = [c for c in comm.monitor.checks if not isinstance(c, _SameEverywhere)]
+    if enabled:
+        comm.monitor.checks.append(_SameEverywhere())
 
 
 @contextlib.contextmanager
@@ -26,9 +73,13 @@ def debug_collectives() -> Iterator[None]:
         >>> with fully_shard.tools.debug_collectives():
         ...     loss = model(x).sum(); loss.backward()
     """
-    was_on = comm.is_debug()  # e.g. FULLY_SHARD_DEBUG=1: stays on after the context
-    comm.set_debug(True)
+    was_on = is_debug()  # e.g. FULLY_SHARD_DEBUG=1: stays on after the context
+    set_debug(True)
     try:
         yield
     finally:
-        comm.set_debug(was_on)
+        set_debug(was_on)
+
+
+if os.environ.get(comm.DEBUG_ENV, "") == "1":
+    set_debug(True)
