@@ -25,10 +25,10 @@ from .streams import Streams, has_streams
 
 @dataclass
 class ShardPlacementResult:
-    """What ``shard_placement_fn`` may return to give a parameter a mesh of its own as well as its
-    placement: ``mesh_info`` is torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` (as torchtitan builds them),
-    a ``DeviceMesh`` or anything with a ``mesh``. Such parameters (e.g. expert weights) are gathered and
-    reduced in collectives of their own mesh, as torch's FSDP2 does with one parameter group per mesh.
+    """What ``shard_placement_fn`` may return to give a parameter a mesh of its own as well as its placement:
+    ``mesh_info`` is torch's ``FSDPMeshInfo`` / ``HSDPMeshInfo`` (as torchtitan builds them), a ``DeviceMesh`` or
+    anything with a ``mesh``. Such parameters (e.g. expert weights) are gathered and reduced in collectives of their
+    own mesh, as torch's FSDP2 does with one parameter group per mesh.
 
     Example::
 
@@ -41,19 +41,19 @@ class ShardPlacementResult:
 
 
 class ShardedUsageError(ValueError, AssertionError):
-    """A misuse of ``fully_shard`` (e.g. applying it twice to one module) that torch's FSDP2
-    reports with ``AssertionError``: an instance of both, so either ``except`` catches it."""
+    """A misuse of ``fully_shard`` (e.g. applying it twice to one module) that torch's FSDP2 reports with
+    ``AssertionError``: an instance of both, so either ``except`` catches it."""
 
 
 class ShardedDeepcopyError(RuntimeError, AssertionError):
-    """``copy.deepcopy`` of a sharded module (torch's FSDP2 raises ``AssertionError`` there):
-    deep-copy the model before ``fully_shard`` instead."""
+    """``copy.deepcopy`` of a sharded module (torch's FSDP2 raises ``AssertionError`` there): deep-copy the model
+    before ``fully_shard`` instead."""
 
 
 @dataclass(eq=False)
 class _Owner:
-    """Which fully_shard call sharded a parameter, kept on the original and the sharded one
-    (``OWNER_ATTR``): a later call reaching it runs top-down, or ties parameters across groups."""
+    """Which fully_shard call sharded a parameter, kept on the original and the sharded one (``OWNER_ATTR``): a later
+    call reaching it runs top-down, or ties parameters across groups."""
 
     fqn: str  # relative to ``modules``
     modules: tuple[nn.Module, ...]
@@ -64,8 +64,8 @@ class _Owner:
 
 
 class _ReplacedParameter(nn.Parameter):
-    """The class of a parameter fully_shard replaced by a sharded one: reading its ``.grad`` raises, as
-    an optimizer built before fully_shard (its step or ``zero_grad``) would update a dead tensor."""
+    """The class of a parameter fully_shard replaced by a sharded one: reading its ``.grad`` raises, as an optimizer
+    built before fully_shard (its step or ``zero_grad``) would update a dead tensor."""
 
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
@@ -91,51 +91,46 @@ def fully_shard(
 ) -> Any:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh`` (ZeRO-3).
 
-    Every parameter that ``module`` owns, and that no earlier (nested) ``fully_shard`` call
-    owns, joins one group. Between iterations each is an ``nn.Parameter`` wrapping a DTensor
-    sharded on dim 0 (``torch.chunk`` semantics), so each rank keeps ``1/N`` of the
-    parameters, gradients and optimizer state. One all-gather rebuilds the group's full
-    parameters before the module's forward; they are freed after it and gathered again for
-    backward; one reduce-scatter then leaves each rank the averaged gradient of its rows in
-    the sharded ``.grad``. The module's class is swapped in place for a subclass that also
-    inherits :class:`FSDPModule`; nothing wraps it. Call it bottom-up: on each block, then on
-    the root (the first module to run forward, which keeps its parameters after forward).
+    Every parameter that ``module`` owns, and that no earlier (nested) ``fully_shard`` call owns, joins one group.
+    Between iterations each is an ``nn.Parameter`` wrapping a DTensor sharded on dim 0 (``torch.chunk`` semantics),
+    so each rank keeps ``1/N`` of the parameters, gradients and optimizer state. One all-gather rebuilds the group's
+    full parameters before the module's forward; they are freed after it and gathered again for backward; one
+    reduce-scatter then leaves each rank the averaged gradient of its rows in the sharded ``.grad``. The module's
+    class is swapped in place for a subclass that also inherits :class:`FSDPModule`; nothing wraps it. Call it
+    bottom-up: on each block, then on the root (the first module to run forward, which keeps its parameters after
+    forward).
 
     Args:
-        module: a module, or a list of modules that form one group together, gathered
-            when the first member starts forward and resharded when every member has run.
-            A member the model's forward skips (a chunked loss calling ``model.output`` once
-            per chunk) works as in torch: the group's forward ends with the root's, and the
-            member may then be called on its own any number of times.
-        mesh: the data-parallel :class:`DeviceMesh`. 1-D: FSDP, parameters ``Shard(0)``
-            over it. 2-D, read as (replicate, shard): HSDP, parameters
-            ``(Replicate(), Shard(0))``; gradients are reduce-scattered within the shard dim
-            and all-reduced across the replicate dim (a ``(N, 1)`` mesh: DDP). Default: a
-            1-D mesh over the default process group on the current accelerator, else CPU.
-        reshard_after_forward: ``True`` frees the full parameters after forward (gathered
-            again in backward); ``False`` keeps them until after backward (more memory). An
-            int ``k`` dividing the shard size ``N`` (e.g. ranks per node) keeps ``k/N`` of
-            them after forward, so backward all-gathers within ``k`` consecutive ranks;
-            ``k == N`` means ``True``, ``k == 1`` ``False`` (per mesh, with a
+        module: a module, or a list of modules that form one group together, gathered when the first member starts
+            forward and resharded when every member has run. A member the model's forward skips (a chunked loss
+            calling ``model.output`` once per chunk) works as in torch: the group's forward ends with the root's,
+            and the member may then be called on its own any number of times.
+        mesh: the data-parallel :class:`DeviceMesh`. 1-D: FSDP, parameters ``Shard(0)`` over it. 2-D, read as
+            (replicate, shard): HSDP, parameters ``(Replicate(), Shard(0))``; gradients are reduce-scattered within
+            the shard dim and all-reduced across the replicate dim (a ``(N, 1)`` mesh: DDP). Default: a 1-D mesh
+            over the default process group on the current accelerator, else CPU.
+        reshard_after_forward: ``True`` frees the full parameters after forward (gathered again in backward);
+            ``False`` keeps them until after backward (more memory). An int ``k`` dividing the shard size ``N``
+            (e.g. ranks per node) keeps ``k/N`` of them after forward, so backward all-gathers within ``k``
+            consecutive ranks; ``k == N`` means ``True``, ``k == 1`` ``False`` (per mesh, with a
             :class:`ShardPlacementResult`'s). ``None``: ``True`` but for the root.
-        shard_placement_fn: called with each parameter; returns ``Shard(dim)`` to shard it
-            on ``dim`` (which the shard size must divide evenly when ``dim != 0``), a
-            :class:`ShardPlacementResult` (a mesh of its own too) or ``None`` (``Shard(0)``).
-        mp_policy: dtypes for the all-gather and compute (``param_dtype``), the gradient
-            reduction (``reduce_dtype``) and outputs; see :class:`MixedPrecisionPolicy`.
-            Sharded parameters, gradients and optimizer state keep their own dtype.
-        offload_policy: :class:`CPUOffloadPolicy` keeps the sharded parameters, gradients
-            and optimizer state in host memory (``optimizer.step()`` runs on the CPU),
-            copied to the mesh device for each all-gather and back after each reduce-scatter.
-        ignored_params: parameters of ``module`` left alone: not sharded, not moved,
-            gradients not reduced. The root's first forward refuses a trainable parameter of
-            the enclosing model that no call shards or ignores (a forgotten ``fully_shard(model)``).
-        dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every
-            parameter a DTensor on it, ``Replicate()`` on the data-parallel dims this names;
-            fully_shard shards over ``shard`` (HSDP: replicates over ``replicate``) and the
-            sharded parameters stay DTensors on the full mesh, laid out as torch's. Several
-            names per role are flattened into one dim (shard names: adjacent, in mesh
-            order); ``replicate`` alone is DDP (parameters replicated, gradients averaged).
+        shard_placement_fn: called with each parameter; returns ``Shard(dim)`` to shard it on ``dim`` (which the
+            shard size must divide evenly when ``dim != 0``), a :class:`ShardPlacementResult` (a mesh of its own
+            too) or ``None`` (``Shard(0)``).
+        mp_policy: dtypes for the all-gather and compute (``param_dtype``), the gradient reduction
+            (``reduce_dtype``) and outputs; see :class:`MixedPrecisionPolicy`. Sharded parameters, gradients and
+            optimizer state keep their own dtype.
+        offload_policy: :class:`CPUOffloadPolicy` keeps the sharded parameters, gradients and optimizer state in
+            host memory (``optimizer.step()`` runs on the CPU), copied to the mesh device for each all-gather and
+            back after each reduce-scatter.
+        ignored_params: parameters of ``module`` left alone: not sharded, not moved, gradients not reduced. The
+            root's first forward refuses a trainable parameter of the enclosing model that no call shards or ignores
+            (a forgotten ``fully_shard(model)``).
+        dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every parameter a DTensor on
+            it, ``Replicate()`` on the data-parallel dims this names; fully_shard shards over ``shard`` (HSDP:
+            replicates over ``replicate``) and the sharded parameters stay DTensors on the full mesh, laid out as
+            torch's. Several names per role are flattened into one dim (shard names: adjacent, in mesh order);
+            ``replicate`` alone is DDP (parameters replicated, gradients averaged).
 
     Returns:
         ``module``, its class now also an :class:`FSDPModule`.
@@ -189,9 +184,8 @@ def fully_shard(
 
 
 def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: Any) -> None:
-    """The checks ``fully_shard`` makes of its policies and ``reshard_after_forward`` before it looks
-    at the mesh (which ``mesh.resolve_reshard_after_forward`` checks an int against). Pure: the
-    memory planner makes them too."""
+    """The checks ``fully_shard`` makes of its policies and ``reshard_after_forward`` before it looks at the mesh
+    (which ``mesh.resolve_reshard_after_forward`` checks an int against). Pure: the memory planner makes them too."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -259,8 +253,8 @@ def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], l
 
 
 def _paths(module: nn.Module) -> dict[int, str]:
-    """id(module) -> its name in the outermost live model holding ``module`` (through parents'
-    ``_modules``, found by a scan of the garbage collector's live objects): for error messages only."""
+    """id(module) -> its name in the outermost live model holding ``module`` (through parents' ``_modules``, found by a
+    scan of the garbage collector's live objects): for error messages only."""
     import gc
 
     parents: dict[int, nn.Module] = {}
@@ -280,9 +274,9 @@ def _paths(module: nn.Module) -> dict[int, str]:
 
 
 def _tie_names(fqn: str, modules: tuple[nn.Module, ...], owner: _Owner) -> tuple[str, str, str, str]:
-    """(this call, this parameter, the owner's parameter, the owner's call), each by its name in
-    the outermost model that holds both calls' modules where there is one, else by the calls'
-    module classes and the parameters' names under them."""
+    """(this call, this parameter, the owner's parameter, the owner's call), each by its name in the outermost model
+    that holds both calls' modules where there is one, else by the calls' module classes and the parameters' names
+    under them."""
     paths = _paths(modules[0])
 
     def where(mods: tuple[nn.Module, ...], local: str) -> tuple[str, str] | None:  # (the call, the parameter)
@@ -302,8 +296,8 @@ def _tie_names(fqn: str, modules: tuple[nn.Module, ...], owner: _Owner) -> tuple
 def _collect_params(
     modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
 ) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
-    """The parameters this call owns: reachable from ``modules`` without passing through a
-    module an earlier call sharded. Maps each to its name and every place it is registered."""
+    """The parameters this call owns: reachable from ``modules`` without passing through a module an earlier call
+    sharded. Maps each to its name and every place it is registered."""
     found: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
     for fqn, module, name, p in walk_params(modules, lambda m: getattr(m, STATE_ATTR, None) is not None):
         if p in ignored:
@@ -330,11 +324,10 @@ def _collect_params(
 def walk_params(
     modules: tuple[nn.Module, ...], is_sharded: Callable[[nn.Module], bool]
 ) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
-    """Every registration ``(fqn, module, name, parameter)`` that a ``fully_shard`` call on
-    ``modules`` reaches: each module visited once, not entering a module that ``is_sharded``
-    says an earlier (inner) call sharded, children before a module's own parameters. A
-    parameter registered in several places comes once per place. Pure: the memory planner
-    walks a meta-device model with it.
+    """Every registration ``(fqn, module, name, parameter)`` that a ``fully_shard`` call on ``modules`` reaches: each
+    module visited once, not entering a module that ``is_sharded`` says an earlier (inner) call sharded, children
+    before a module's own parameters. A parameter registered in several places comes once per place. Pure: the
+    memory planner walks a meta-device model with it.
 
     Example::
 
@@ -371,8 +364,8 @@ def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
 
 
 def _fsdp_class(cls: type) -> type:
-    """``FSDP<cls>``, made once per class while its modules live (found among the class's
-    own subclasses, so sharded modules of one class share one type)."""
+    """``FSDP<cls>``, made once per class while its modules live (found among the class's own subclasses, so sharded
+    modules of one class share one type)."""
     if issubclass(cls, FSDPModule):
         return cls
     for sub in cls.__subclasses__():
@@ -409,8 +402,8 @@ class UnshardHandle:
 
 
 class FSDPModule:
-    """Mixed into the class of every module passed to :func:`fully_shard` (``isinstance`` with the
-    original class still holds). The methods below control communication.
+    """Mixed into the class of every module passed to :func:`fully_shard` (``isinstance`` with the original class still
+    holds). The methods below control communication.
 
     Example::
 
@@ -470,8 +463,8 @@ class FSDPModule:
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters now, e.g. to prefetch ahead of forward (which then finds
-        them gathered): returns an :class:`UnshardHandle` to wait on with ``async_op=True``, else waits."""
+        """All-gather this module's parameters now, e.g. to prefetch ahead of forward (which then finds them gathered):
+        returns an :class:`UnshardHandle` to wait on with ``async_op=True``, else waits."""
         group = state_of(self).group  # type: ignore[arg-type]
         if group is not None:
             for p in group.params:
@@ -485,18 +478,18 @@ class FSDPModule:
         return None
 
     def reset_iter_state(self) -> None:
-        """After an exception in forward or backward, return every group to its sharded, idle
-        state, dropping the failed iteration's gradients. Call it on the root."""
+        """After an exception in forward or backward, return every group to its sharded, idle state, dropping the
+        failed iteration's gradients. Call it on the root."""
         state_of(self).reset_iter_state()  # type: ignore[arg-type]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step: only then does
-        its end wait for the last gradient reduction (useful when pipelining microbatches)."""
+        """Whether the next backward is the last before the optimizer step: only then does its end wait for the last
+        gradient reduction (useful when pipelining microbatches)."""
         state_of(self).lazy_init().is_last_backward = is_last_backward  # type: ignore[arg-type]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Turn gradient reduction on or off (off: gradients accumulate unsharded, locally,
-        until a backward with it on). Applies to submodules too unless ``recurse=False``."""
+        """Turn gradient reduction on or off (off: gradients accumulate unsharded, locally, until a backward with it
+        on). Applies to submodules too unless ``recurse=False``."""
         self._set("requires_gradient_sync", requires_gradient_sync, recurse)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
@@ -512,44 +505,43 @@ class FSDPModule:
             state.post_forward_ranks = {}  # a bool replaces reshard_after_forward=k, as in torch
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Whether to free full parameters after backward (False keeps them for the next
-        forward, e.g. between gradient-accumulation microbatches)."""
+        """Whether to free full parameters after backward (False keeps them for the next forward, e.g. between
+        gradient-accumulation microbatches)."""
         self._set("reshard_after_backward", reshard_after_backward, recurse)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' parameters as this module's forward starts, instead of
-        the implicit choice (the module that ran next in the previous iteration)."""
+        """All-gather these modules' parameters as this module's forward starts, instead of the implicit choice (the
+        module that ran next in the previous iteration)."""
         state_of(self).forward_prefetch = _states_of(self, modules, "set_modules_to_forward_prefetch")  # type: ignore[arg-type]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather these modules' parameters as this module's backward starts, instead of
-        the implicit choice (the module that ran before it in forward)."""
+        """All-gather these modules' parameters as this module's backward starts, instead of the implicit choice (the
+        module that ran before it in forward)."""
         state_of(self).backward_prefetch = _states_of(self, modules, "set_modules_to_backward_prefetch")  # type: ignore[arg-type]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this module's summed gradients by ``factor`` instead of averaging over the
-        ranks (this module's group only, as in torch: call it on each FSDP module)."""
+        """Divide this module's summed gradients by ``factor`` instead of averaging over the ranks (this module's group
+        only, as in torch: call it on each FSDP module)."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor!r}")
         self._set("gradient_divide_factor", float(factor), False)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Make the next forward's first all-gather wait for ``event`` (recorded after the
-        optimizer step) rather than for the whole current stream. No-op on the CPU."""
+        """Make the next forward's first all-gather wait for ``event`` (recorded after the optimizer step) rather than
+        for the whole current stream. No-op on the CPU."""
         state_of(self).lazy_init().post_optim_event = event  # type: ignore[arg-type]
 
     # -- torch 2.13's communication controls ---------------------------------------------
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Whether backward all-gathers this module's parameters again. ``False`` saves that
-        all-gather for modules whose backward does not need the parameters (e.g. an
-        embedding); backward must then really not use them."""
+        """Whether backward all-gathers this module's parameters again. ``False`` saves that all-gather for modules
+        whose backward does not need the parameters (e.g. an embedding); backward must then really not use them."""
         self._set("unshard_in_backward", unshard_in_backward, False)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Reduce-scatter zeros for parameters that got no gradient this backward, so ranks
-        using different parameters of a group (mixture-of-experts routing) still issue the same
-        collective. The group's module must run forward on every rank.
+        """Reduce-scatter zeros for parameters that got no gradient this backward, so ranks using different parameters
+        of a group (mixture-of-experts routing) still issue the same collective. The group's module must run forward
+        on every rank.
 
         Example::
 
@@ -559,9 +551,9 @@ class FSDPModule:
         self._set("reduce_scatter_unused_params", reduce_scatter_unused_params, recurse)
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """Use ``comm`` for this module's all-gathers: torch's ``AllGather`` interface, i.e.
-        ``comm.allocate(size, *, dtype, device)`` for the output buffer and
-        ``comm(output_tensor, input_tensor, group, async_op=False)`` returning a Work or None.
+        """Use ``comm`` for this module's all-gathers: torch's ``AllGather`` interface, i.e. ``comm.allocate(size, *,
+        dtype, device)`` for the output buffer and ``comm(output_tensor, input_tensor, group, async_op=False)``
+        returning a Work or None.
 
         Example::
 
@@ -571,16 +563,15 @@ class FSDPModule:
         self._set("all_gather_comm", comm, False)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Use ``comm`` for this module's reduce-scatters: torch's ``ReduceScatter``
-        interface, ``comm.allocate(...)`` for both buffers and
-        ``comm(output_tensor, input_tensor, group, op, async_op=False)``."""
+        """Use ``comm`` for this module's reduce-scatters: torch's ``ReduceScatter`` interface, ``comm.allocate(...)``
+        for both buffers and ``comm(output_tensor, input_tensor, group, op, async_op=False)``."""
         _check_comm(comm, "set_custom_reduce_scatter")
         self._set("reduce_scatter_comm", comm, False)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
-        """Call ``hook(output)`` on each reduced flat gradient shard (the reduce-scatter or, HSDP, the
-        all-reduce output) before it is divided and accumulated, on the reduce-scatter stream or on
-        ``stream`` (not with HSDP, as in torch), ordered after the reduction and before what follows.
+        """Call ``hook(output)`` on each reduced flat gradient shard (the reduce-scatter or, HSDP, the all-reduce
+        output) before it is divided and accumulated, on the reduce-scatter stream or on ``stream`` (not with HSDP,
+        as in torch), ordered after the reduction and before what follows.
 
         Example::
 
@@ -598,13 +589,13 @@ class FSDPModule:
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Reduce this module's gradients with ``ReduceOp.SUM`` only (never ``AVG``), dividing
-        in a separate step (this module's group only, as in torch)."""
+        """Reduce this module's gradients with ``ReduceOp.SUM`` only (never ``AVG``), dividing in a separate step (this
+        module's group only, as in torch)."""
         self._set("force_sum_reduction", enable, False)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """Keep up to this many reductions (reduce-scatter inputs) in flight in backward (1: the previous
-        group's is finished once the next is issued). The largest under a root applies, as in torch.
+        """Keep up to this many reductions (reduce-scatter inputs) in flight in backward (1: the previous group's is
+        finished once the next is issued). The largest under a root applies, as in torch.
 
         Example::
 
@@ -621,8 +612,8 @@ class FSDPModule:
             ctx.resolve_max_in_flight()
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Run reduce-scatters on process groups of their own (one per set of shard ranks per
-        call, created here: call it on every rank), so they can overlap with all-gathers."""
+        """Run reduce-scatters on process groups of their own (one per set of shard ranks per call, created here: call
+        it on every rank), so they can overlap with all-gathers."""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for group in self._groups(recurse):
             infos = {id(p.mesh_info): p.mesh_info for p in group.params}  # one per mesh of the call
@@ -630,8 +621,8 @@ class FSDPModule:
             group.reduce_scatter_groups = {k: separate_group(i, made, old.get(k)) for k, i in infos.items()} if enable else {}
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Allocate this module's communication buffers from the process group's own allocator where its
-        backend has one (NCCL: zero-copy transfers), else as before (gloo); not with a custom Comm.
+        """Allocate this module's communication buffers from the process group's own allocator where its backend has
+        one (NCCL: zero-copy transfers), else as before (gloo); not with a custom Comm.
 
         Example::
 
@@ -644,9 +635,9 @@ class FSDPModule:
             group.reduce_scatter_comm = PoolComm(rs_group) if enable else None
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """Allocate this module's all-gather output (and, with force-sum reduction, reduce-scatter
-        buffers) from ``backend``'s symmetric memory, as torch does, for NCCL's symmetric-memory
-        collectives; refused at once where the process group cannot (untested: needs NCCL on GPUs).
+        """Allocate this module's all-gather output (and, with force-sum reduction, reduce-scatter buffers) from
+        ``backend``'s symmetric memory, as torch does, for NCCL's symmetric-memory collectives; refused at once
+        where the process group cannot (untested: needs NCCL on GPUs).
 
         Example::
 
@@ -692,8 +683,8 @@ def _check_comm(comm: Any, method: str) -> None:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Let several roots (e.g. pipeline stages) share one set of communication streams, so their buffers
-    do not fragment memory across streams. Call it before their first forward. No effect on the CPU.
+    """Let several roots (e.g. pipeline stages) share one set of communication streams, so their buffers do not
+    fragment memory across streams. Call it before their first forward. No effect on the CPU.
 
     Example::
 
@@ -728,8 +719,8 @@ def _name_in_model(anchor: nn.Module, module: Any) -> str:
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run fully_shard's forward hooks around ``module.<method_name>`` too.
 
-    For methods other than ``forward`` that use the parameters (e.g. ``generate``). A no-op
-    when ``module`` is not an :class:`FSDPModule`, so one code path serves both.
+    For methods other than ``forward`` that use the parameters (e.g. ``generate``). A no-op when ``module`` is not
+    an :class:`FSDPModule`, so one code path serves both.
 
     Example::
 
@@ -753,8 +744,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def _state(module: nn.Module) -> FSDPState | None:
-    """``fully_shard.state(module)``: the module's fully_shard state, or None (as in torch,
-    whose state object has other, private, members)."""
+    """``fully_shard.state(module)``: the module's fully_shard state, or None (as in torch, whose state object has
+    other, private, members)."""
     return getattr(module, STATE_ATTR, None)
 
 

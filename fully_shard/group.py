@@ -35,8 +35,8 @@ _TRANSITIONS = {
 
 
 def next_state(label: str, current: GroupState, new: GroupState) -> GroupState:
-    """``new`` if the transition table lets a group go there from ``current``; otherwise an
-    internal error naming the group. Pure: the memory planner replays a step through it.
+    """``new`` if the transition table lets a group go there from ``current``; otherwise an internal error naming the
+    group. Pure: the memory planner replays a step through it.
 
     Example::
 
@@ -51,10 +51,9 @@ def next_state(label: str, current: GroupState, new: GroupState) -> GroupState:
 class ParamGroup:
     """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call.
 
-    One all-gather rebuilds every parameter of the group (one per unsharded dtype when
-    dtypes are mixed, and per mesh when ``shard_placement_fn`` puts parameters on their own);
-    one reduce-scatter (per reduce dtype and mesh) leaves each rank with the averaged
-    gradient of its own rows, all-reduced across replicas under HSDP.
+    One all-gather rebuilds every parameter of the group (one per unsharded dtype when dtypes are mixed, and per
+    mesh when ``shard_placement_fn`` puts parameters on their own); one reduce-scatter (per reduce dtype and mesh)
+    leaves each rank with the averaged gradient of its own rows, all-reduced across replicas under HSDP.
     """
 
     def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, device: torch.device, label: str) -> None:
@@ -110,8 +109,8 @@ class ParamGroup:
             self.wait_for_unshard()
 
     def _issue_all_gathers(self) -> list[comm.CollectiveWork]:
-        """One all-gather per unsharded dtype and mesh (then one, of bytes, per mesh for the
-        subclasses that gather themselves); from POST_FORWARD, a mesh's kept slices within its k ranks."""
+        """One all-gather per unsharded dtype and mesh (then one, of bytes, per mesh for the subclasses that gather
+        themselves); from POST_FORWARD, a mesh's kept slices within its k ranks."""
 
         def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, ranks: comm.Ranks) -> comm.CollectiveWork:
             return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label, self.all_gather_comm)
@@ -165,8 +164,8 @@ class ParamGroup:
     def reshard(self, keep: dict[int, comm.Ranks] | None = None) -> None:
         """Free the full parameters and point the modules back at the sharded ones.
 
-        With ``keep`` (``reshard_after_forward=k``, after forward: per mesh, by ``id``), each rank
-        of such a mesh first keeps its 1/k slice so backward can all-gather within those k ranks.
+        With ``keep`` (``reshard_after_forward=k``, after forward: per mesh, by ``id``), each rank of such a mesh
+        first keeps its 1/k slice so backward can all-gather within those k ranks.
         """
         if self.state is GroupState.UNSHARDING:
             for work in self._all_gathers:
@@ -189,8 +188,8 @@ class ParamGroup:
         self._move_to(GroupState.POST_FORWARD if keep else GroupState.SHARDED)
 
     def _hold_all_gathers(self) -> None:
-        """The all-gather buffers were last used on the current stream: keep them until the
-        copy-in stream has waited for that use (no-op without streams)."""
+        """The all-gather buffers were last used on the current stream: keep them until the copy-in stream has waited
+        for that use (no-op without streams)."""
         self._streams().hold_all_gather(*(t for w in self._all_gathers for t in (w.input, w.output)))
         self._all_gathers = []
 
@@ -231,9 +230,9 @@ class ParamGroup:
     def reduce_grads(self) -> PendingReduce | None:
         """Reduce-scatter this group's gradients, or accumulate them while sync is off.
 
-        Returns the reduction in flight; ``finish_reduce`` assigns its result. Parameters
-        whose gradient is None (unused this iteration) take no part, as in torch's FSDP2:
-        which parameters are used must then be the same on every rank.
+        Returns the reduction in flight; ``finish_reduce`` assigns its result. Parameters whose gradient is None
+        (unused this iteration) take no part, as in torch's FSDP2: which parameters are used must then be the same
+        on every rank.
         """
         self.needs_post_backward = False
         grads: dict[ShardedParam, torch.Tensor] = {}  # the parameters to reduce, in order
@@ -269,8 +268,8 @@ class ParamGroup:
         return PendingReduce(self, reductions, self.requires_all_reduce, list(grads.values()) if streams.backend is not None else [])
 
     def _alias_grads(self, grads: dict[ShardedParam, torch.Tensor]) -> bool:
-        """Whether reducing these gradients is the identity (one rank, no replicas, no divide
-        factor, hook or cast): each sharded gradient is then its unsharded one, no copy."""
+        """Whether reducing these gradients is the identity (one rank, no replicas, no divide factor, hook or cast):
+        each sharded gradient is then its unsharded one, no copy."""
         if self.gradient_divide_factor is not None or self.all_reduce_hook is not None or self.force_sum_reduction:
             return False
         return all(p.mesh_info.shard.size == 1 and p.mesh_info.replicate is None and p.reduce_dtype == p.dtype == g.dtype
@@ -289,8 +288,8 @@ class ParamGroup:
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for a reduction; all-reduce across replicas (HSDP); add to the sharded grads.
 
-        Runs on the reduce-scatter stream; then the current stream waits for it, so the
-        optimizer sees the gradients and the held unsharded gradients may be freed."""
+        Runs on the reduce-scatter stream; then the current stream waits for it, so the optimizer sees the gradients
+        and the held unsharded gradients may be freed."""
         streams = self._streams()
         with streams.use("reduce_scatter"):
             for work, params in pending.reductions:

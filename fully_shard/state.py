@@ -45,8 +45,8 @@ def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
 
 
 def _not_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Keep a hook out of ``torch.compile`` graphs: it drives communication and Python state,
-    so a compiled block runs its body compiled and these hooks eagerly around it."""
+    """Keep a hook out of ``torch.compile`` graphs: it drives communication and Python state, so a compiled block runs
+    its body compiled and these hooks eagerly around it."""
     return functools.wraps(fn)(torch.compiler.disable(fn, recursive=True))
 
 
@@ -136,8 +136,8 @@ class RootContext:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs whose backward runs once their gradients are computed,
-    which is when the module's own backward has finished."""
+    """Identity on a module's inputs whose backward runs once their gradients are computed, which is when the module's
+    own backward has finished."""
 
     @staticmethod
     def forward(ctx: Any, state: FSDPState, root: RootContext, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -194,11 +194,11 @@ class FSDPState:
     def _register_hooks(self) -> None:
         """Forward hooks on the module(s).
 
-        A multi-module group opens a *pass* when its first member starts forward
-        (``pre_forward``) and closes it when every member has run (``post_forward``); a member
-        running inside the open pass (a chunked loss calls ``head`` once per chunk) only gets
-        the group gathered and its inputs and output cast. The root's post-forward closes a
-        pass some member never joined; the end of backward, one opened outside the root's forward.
+        A multi-module group opens a *pass* when its first member starts forward (``pre_forward``) and closes it
+        when every member has run (``post_forward``); a member running inside the open pass (a chunked loss calls
+        ``head`` once per chunk) only gets the group gathered and its inputs and output cast. The root's
+        post-forward closes a pass some member never joined; the end of backward, one opened outside the root's
+        forward.
         """
         if len(self.modules) == 1:
             pre_hook = _not_traced(lambda module, args, kwargs: self.pre_forward(args, kwargs))
@@ -246,8 +246,7 @@ class FSDPState:
     # -- lazy root initialisation -------------------------------------------------------
 
     def lazy_init(self) -> RootContext:
-        """The root context, made at the first call: this state becomes the root of every
-        state below its module(s)."""
+        """The root context, made at the first call: this state becomes the root of every state below its module(s)."""
         if self.ctx is not None:
             return self.ctx
         names: dict[FSDPState, str] = {}  # every state below, in module pre-order, root first
@@ -286,9 +285,9 @@ class FSDPState:
         return ctx
 
     def _check_enclosing_model(self) -> None:
-        """Refuse a root inside a model whose own trainable parameters nobody shards (the
-        forgotten ``fully_shard(model)``: each rank would train its own copy of them). The
-        enclosing model is the outermost module whose forward is running, on the Python stack."""
+        """Refuse a root inside a model whose own trainable parameters nobody shards (the forgotten
+        ``fully_shard(model)``: each rank would train its own copy of them). The enclosing model is the outermost
+        module whose forward is running, on the Python stack."""
         mine = set(self.modules)
         outer: nn.Module | None = None
         for obj in callers_self():
@@ -380,8 +379,8 @@ class FSDPState:
         return args, kwargs
 
     def _check_registered_params(self, ctx: RootContext) -> None:
-        """Refuse a parameter replaced after fully_shard (e.g. weights tied afterwards):
-        fully_shard gathers and reduces the one it registered, not the newcomer."""
+        """Refuse a parameter replaced after fully_shard (e.g. weights tied afterwards): fully_shard gathers and
+        reduces the one it registered, not the newcomer."""
         for state in ctx.states:
             for p in state.group.params if state.group is not None else ():
                 for module, name in p.uses:
@@ -403,9 +402,9 @@ class FSDPState:
         )
 
     def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
-        """Close the passes still open (a member the model's forward skipped: they end with the
-        root's, innermost first, so their backward starts with the root output's gradient),
-        then reshard groups prefetched for a module that did not run."""
+        """Close the passes still open (a member the model's forward skipped: they end with the root's, innermost
+        first, so their backward starts with the root output's gradient), then reshard groups prefetched for a
+        module that did not run."""
         for state in reversed(ctx.states):
             if state is not self and state.to_run and state.training_state is TrainingState.FORWARD:
                 output = state.post_forward(output)
@@ -525,9 +524,9 @@ def _on_grad(output: Any, fn: Callable[[], None]) -> None:
 
 
 def _register_state_dict_hooks(group: ParamGroup) -> None:
-    """``state_dict()`` and ``load_state_dict()`` hooks on every module that registers one of
-    the group's parameters: saving always saves the shards; loading reshards first, cuts a full
-    tensor to this rank's shard, and adopts a DTensor an ``assign=True`` load registered."""
+    """``state_dict()`` and ``load_state_dict()`` hooks on every module that registers one of the group's parameters:
+    saving always saves the shards; loading reshards first, cuts a full tensor to this rank's shard, and adopts a
+    DTensor an ``assign=True`` load registered."""
     by_module: dict[nn.Module, dict[str, ShardedParam]] = {}
     for sp in group.params:
         for m, name in sp.uses:
@@ -566,8 +565,8 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists, dicts (``ModelOutput`` too),
-    namedtuples and dataclasses, rebuilding containers only where a tensor changed."""
+    """Apply ``fn`` to every tensor in nested tuples, lists, dicts (``ModelOutput`` too), namedtuples and dataclasses,
+    rebuilding containers only where a tensor changed."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
