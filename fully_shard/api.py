@@ -540,8 +540,9 @@ class FSDPModule:
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce-scatter zeros for parameters that got no gradient this backward, so ranks using different parameters
-        of a group (mixture-of-experts routing) still issue the same collective. The group's module must run forward
-        on every rank.
+        of a group (mixture-of-experts routing) still issue the same collective. A module skipping forward on some
+        ranks must be gathered on every rank (prefetched, ``reshard_after_forward=False``): every rank then reduces
+        it at the end of backward, found by one small all-reduce per forward (docs/troubleshooting.md).
 
         Example::
 

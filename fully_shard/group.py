@@ -86,6 +86,7 @@ class ParamGroup:
         self.all_reduce_hook_stream: Any = None  # the user's stream to run it on (a torch.Stream)
         # set by pre-forward under grad mode; cleared once post-backward has run
         self.needs_post_backward = False
+        self.reduce_at_end = False  # skipped on some rank (reduce_scatter_unused_params): reduced in finalize_backward
 
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
         self.state = state if reset else next_state(self.label, self.state, state)
@@ -208,7 +209,7 @@ class ParamGroup:
             p.clear_unsharded_grad()
             p.sharded_param.grad = None  # part of the failed iteration's gradients
         self._move_to(GroupState.SHARDED, reset=True)
-        self.needs_post_backward = False
+        self.needs_post_backward = self.reduce_at_end = False
 
     def refresh_after_apply(self) -> None:
         """Follow dtype changes made by ``Module._apply`` (``model.double()``)."""

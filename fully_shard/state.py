@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function as _record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .comm import Ranks
+from .comm import Ranks, all_reduce
 from .group import GroupState, ParamGroup, PendingReduce
 from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
@@ -109,6 +109,7 @@ class RootContext:
                     # inputs needed no gradient, or params unused; or gradients that arrived
                     # after this group's post-backward ran: a backward over part of the graph
                     # (a chunked loss) settles every group, then a later one reaches it
+                    group.reduce_at_end = False
                     state.post_backward(self)
             if self.is_last_backward:
                 with torch.no_grad():
@@ -403,16 +404,39 @@ class FSDPState:
 
     def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
         """Close the passes still open (a member the model's forward skipped: they end with the root's, innermost
-        first, so their backward starts with the root output's gradient), then reshard groups prefetched for a
-        module that did not run."""
+        first, so their backward starts with the root output's gradient), then reshard groups gathered for a module
+        that did not run (prefetched, or unshard())."""
         for state in reversed(ctx.states):
             if state is not self and state.to_run and state.training_state is TrainingState.FORWARD:
                 output = state.post_forward(output)
         ran = {id(s) for s in ctx.forward_order}
+        flagged: dict[int, list[tuple[FSDPState, ParamGroup, int]]] = {}  # by mesh; 0 untouched, 1 gathered only, 2 ran
         for state in ctx.states:
-            if state.group is not None and state.group.is_unsharded and id(state) not in ran:
-                state.group.reshard()
+            if gathered := (group := state.group) is not None and group.is_unsharded and id(state) not in ran:
+                group.reshard()
+            if group is not None and group.reduce_scatter_unused_params and group.requires_gradient_sync and torch.is_grad_enabled():
+                flagged.setdefault(id(group.mesh_info), []).append((state, group, 2 if id(state) in ran else int(gathered)))
+        for pairs in flagged.values():
+            self._agree_on_skipped(pairs)
         return output
+
+    def _agree_on_skipped(self, pairs: list[tuple[FSDPState, ParamGroup, int]]) -> None:
+        """reduce_scatter_unused_params: a group gathered but skipped on some ranks reduces zeros there at the end of
+        backward, elsewhere when its backward ends: the reduce-scatters would pair up wrongly. One small all-reduce
+        finds such groups; every rank reduces them at the end."""
+        seen = torch.zeros(len(pairs), 3, device=self.device)  # per group, one-hot: which case anywhere
+        seen[torch.arange(len(pairs)), torch.tensor([code for _, _, code in pairs])] = 1
+        for ranks in (r for r in (pairs[0][1].mesh_info.shard, pairs[0][1].mesh_info.replicate) if r is not None and r.size > 1):
+            all_reduce(seen, ranks.group, torch.distributed.ReduceOp.MAX, "exchange of the modules skipped per rank")
+        for (state, group, _), (untouched, skipped, ran) in zip(pairs, seen.tolist()):
+            if (untouched and (skipped or ran)) or (skipped and ran and state.reshard_after_forward and group.unshard_in_backward):
+                how = "was not all-gathered on the others" if untouched else "resharded after it: its backward all-gathers there only"
+                raise RuntimeError(f"fully_shard: {state._name()} ran forward on some ranks only and {how}. A module that may skip "
+                                   "forward on a rank (mixture-of-experts routing) must be gathered on every rank: list it in "
+                                   "set_modules_to_forward_prefetch of a module that runs everywhere (or call its unshard()), "
+                                   "and give it reshard_after_forward=False.")
+            group.reduce_at_end = bool(skipped and ran)  # run nowhere: no gradient, as torch's first step
+            group.needs_post_backward |= group.reduce_at_end
 
     def _forward_prefetch_targets(self, ctx: RootContext) -> list[FSDPState]:
         if self.forward_prefetch is not None:
@@ -470,8 +494,8 @@ class FSDPState:
             if group is not None:
                 if group.reshard_after_backward:
                     group.reshard()  # first: the full parameters are freed before the reduce-scatter buffers exist
-                with torch.no_grad():
-                    pending = group.reduce_grads()
+                with torch.no_grad():  # a group skipped on some rank: at the end of backward
+                    pending = None if group.reduce_at_end else group.reduce_grads()
                 if pending is not None:
                     ctx.finish_reduce(keep=ctx.max_in_flight - 1)  # the oldest, issued groups ago
                     ctx.pending.append(pending)

@@ -355,6 +355,91 @@ def test_reduce_scatter_unused_params_with_per_rank_experts(world_size: int) -> 
     assert ours == theirs and len(ours) == world_size
 
 
+class SkippingMoE(nn.Module):
+    """Each expert its own group, run only where routed (``if tokens.numel(): expert(x)``); the
+    experts are registered first, so the end of backward settles them before ``inp``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(12, 12) for _ in range(3))
+        self.inp = nn.Linear(8, 12)
+        self.out = nn.Linear(12, 2)
+
+    def forward(self, x: torch.Tensor, route: list[int]) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(sum((self.experts[e](h) for e in route), h))
+
+
+# routes[step][rank]: the experts each rank runs. With experts prefetched by ``inp`` (gathered on
+# every rank) torch FSDP2 reduces a skipped expert's zeros at its end of backward, where the
+# other ranks reduce it when its backward ends: right only when nothing is reduced in between
+SKIP_ROUTES = {
+    "skip_last_in_backward": [[[0, 1], [0, 1]], [[0, 1], [1]]],  # torch: right
+    "never_run": [[[0], [0]], [[0], [0]]],  # torch: right (experts 1, 2 gathered, run nowhere)
+    "skip_first_in_backward": [[[0, 1], [0, 1]], [[0, 1], [0]]],  # torch: experts 0 and 1 mispaired, silently
+    "skip_in_first_step": [[[0, 1], [1]]],  # torch: rank 1 reduces nothing for expert 0 (never used there): mismatch
+    "disjoint": [[[0, 1], [0, 1]], [[0], [1]], [[2], [0, 1]]],  # torch: mispaired, silently
+}
+
+
+def _skipping_moe(use_torch: bool, routes: list[list[list[int]]], prefetch: bool = True) -> Any:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fully_shard import fully_shard
+
+    shard = torch_fully_shard if use_torch else fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = SkippingMoE().to(device())
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh(device_type(), (world,))
+    for m in [*model.experts, model.inp, model.out, model]:
+        # with prefetch, no module gathers again in backward (a skipped one would not)
+        shard(m, mesh=mesh, reshard_after_forward=not prefetch)
+    if prefetch:
+        model.inp.set_modules_to_forward_prefetch(list(model.experts))
+    model.set_reduce_scatter_unused_params(True)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, route in enumerate(routes):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device()) for r in range(world)]
+        try:
+            model(xs[rank], route[rank]).sum().backward()
+        except RuntimeError as e:
+            return str(e)
+        no_grad = [p.grad is None for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        (sum(ref(xs[r], route[r]).sum() for r in range(world)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = [p.full_tensor() for p in model.parameters()]
+    for (name, _), p, q in zip(model.named_parameters(), full, ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=name)  # the unsharded model, batches averaged
+    return full, no_grad
+
+
+@pytest.mark.parametrize("case", SKIP_ROUTES)
+def test_reduce_scatter_unused_params_with_an_expert_skipped_on_a_rank(case: str) -> None:
+    ours = run_distributed(_skipping_moe, 2, False, SKIP_ROUTES[case])  # checked against the unsharded model
+    if case in ("skip_last_in_backward", "never_run"):
+        # where torch FSDP2 trains right: bitwise equal (the same reductions, each a two-rank
+        # average, in another order)
+        theirs = run_distributed(_skipping_moe, 2, True, SKIP_ROUTES[case])
+        assert all(torch.equal(a, b) for a, b in zip(ours[0][0], theirs[0][0]))
+        assert ours[0][1] == theirs[0][1] and (case != "never_run" or any(ours[0][1]))  # run nowhere: no gradient
+
+
+@pytest.mark.parametrize("routes, message", [
+    ([[[0, 1], [0, 1]], [[0, 1], [1]]], "resharded after it: its backward all-gathers there only"),
+    ([[[0], [1]]], "was not all-gathered on the others"),  # torch: experts 0 and 1 gathered as each other
+])
+def test_expert_skipped_without_prefetch_raises(routes: list[Any], message: str) -> None:
+    # no explicit prefetch: an expert is gathered where it runs (or where our implicit prefetch,
+    # following the last step's order, expects it) and, resharded, gathered again in backward there
+    errors = run_distributed(_skipping_moe, 2, False, routes, False)
+    assert all(isinstance(e, str) and message in e and "set_modules_to_forward_prefetch" in e for e in errors), errors
+
+
 # ---------------------------------------------------------------------------
 # dp_mesh_dims: parameters are DTensors on the full (dp, tp) mesh
 # ---------------------------------------------------------------------------
