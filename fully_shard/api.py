@@ -71,11 +71,9 @@ class _ReplacedParameter(nn.Parameter):
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         owner: _Owner = self.__dict__[OWNER_ATTR]
         who = next((type(o).__name__ for o in callers_self() if isinstance(o, torch.optim.Optimizer)), "This code")
-        raise RuntimeError(
-            f"{who} holds parameter {owner.fqn!r} of {owner.label} as it was before fully_shard "
-            "replaced it with a sharded DTensor: this step would update a tensor the model no "
-            "longer uses. Build the optimizer after fully_shard, from model.parameters()."
-        )
+        raise RuntimeError(f"{who} holds parameter {owner.fqn!r} of {owner.label} as it was before fully_shard replaced it with a "
+                           "sharded DTensor: this step would update a tensor the model no longer uses. Build the optimizer after "
+                           "fully_shard, from model.parameters().")
 
 
 def fully_shard(
@@ -164,10 +162,8 @@ def fully_shard(
     reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info, [(p.local_fqn, p.mesh_info) for p in sharded])
     ext = next((sp.local_fqn for sp in sharded if sp.extension and id(sp.mesh_info) in post_forward), None)
     if ext is not None:  # torch raises NotImplementedError too, at the backward all-gather
-        raise NotImplementedError(
-            f"fully_shard({label}): reshard_after_forward=<int> is not supported for tensor-subclass "
-            f"parameters that all-gather themselves ({ext!r}); pass True or False"
-        )
+        raise NotImplementedError(f"fully_shard({label}): reshard_after_forward=<int> is not supported for tensor-subclass "
+                                  f"parameters that all-gather themselves ({ext!r}); pass True or False")
     _move_buffers(modules, device)
     for original, sp in zip(found, sharded):
         sp.set_owner(_Owner(sp.local_fqn, modules, label))
@@ -194,9 +190,8 @@ def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: An
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
 
 
-def _placement(
-    fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, info: MeshInfo, meshes: list[MeshInfo]
-) -> tuple[int, MeshInfo]:
+def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, info: MeshInfo,
+               meshes: list[MeshInfo]) -> tuple[int, MeshInfo]:
     """The shard dim and mesh ``shard_placement_fn`` gives ``param`` (default: 0 on ``info``'s)."""
     placement: Any = fn(param) if fn is not None else None
     if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # a ShardPlacementResult
@@ -205,9 +200,8 @@ def _placement(
     if placement is None:
         return 0, info
     if type(placement) is not Shard:
-        raise ValueError(
-            f"shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, got {placement!r} for parameter {fqn!r}"
-        )
+        raise ValueError(f"shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, got {placement!r} "
+                         f"for parameter {fqn!r}")
     dim = placement.dim
     if not -param.dim() <= dim < param.dim():
         raise ValueError(f"shard_placement_fn returned {placement!r} for parameter {fqn!r} of {param.dim()} dims")
@@ -222,15 +216,10 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
-            raise ValueError(
-                f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its "
-                "parameters would never be gathered. Shard each member, or pass the members "
-                "as a list: fully_shard(list(container))"
-            )
+            raise ValueError(f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its parameters would never be "
+                             "gathered. Shard each member, or pass the members as a list: fully_shard(list(container))")
         if getattr(m, STATE_ATTR, None) is not None:
-            raise ShardedUsageError(
-                f"fully_shard was already called on this {type(m).__name__}; call it once per module"
-            )
+            raise ShardedUsageError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
     return modules
 
 
@@ -241,15 +230,10 @@ def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], l
     known = {id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False)}
     stray = [p for p in ignored if id(p) not in known]
     if stray:
-        what = ", ".join(
-            f"a {type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p) for p in stray
-        )
-        raise ValueError(
-            f"fully_shard({label}): ignored_params holds {len(stray)} tensor(s) that are not "
-            f"parameters of the module(s): {what}. Pass parameters of the module being sharded "
-            "(e.g. {module.bias}); a parameter replaced since it was collected is no longer "
-            "the module's."
-        )
+        what = ", ".join(f"a {type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p) for p in stray)
+        raise ValueError(f"fully_shard({label}): ignored_params holds {len(stray)} tensor(s) that are not parameters of the module(s): "
+                         f"{what}. Pass parameters of the module being sharded "
+                         "(e.g. {module.bias}); a parameter replaced since it was collected is no longer the module's.")
 
 
 def _paths(module: nn.Module) -> dict[int, str]:
@@ -293,9 +277,8 @@ def _tie_names(fqn: str, modules: tuple[nn.Module, ...], owner: _Owner) -> tuple
     return mine[0], mine[1], theirs[1], theirs[0]
 
 
-def _collect_params(
-    modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
-) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
+def _collect_params(modules: tuple[nn.Module, ...],
+                    ignored: set[nn.Parameter]) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
     """The parameters this call owns: reachable from ``modules`` without passing through a module an earlier call
     sharded. Maps each to its name and every place it is registered."""
     found: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
@@ -305,25 +288,19 @@ def _collect_params(
         owner: _Owner | None = p.__dict__.get(OWNER_ATTR)
         if owner is not None:
             if any(owner.encloses(m) for m in modules):
-                raise ValueError(
-                    f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded "
-                    f"by the fully_shard call on {owner.label}, an enclosing module. Apply "
-                    "fully_shard bottom-up: inner modules (e.g. each block) first, the root last."
-                )
+                raise ValueError(f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded by the fully_shard "
+                                 f"call on {owner.label}, an enclosing module. Apply fully_shard bottom-up: inner modules (e.g. each "
+                                 "block) first, the root last.")
             this_call, this_name, owner_name, owner_call = _tie_names(fqn, modules, owner)
-            raise ValueError(
-                f"fully_shard({this_call}): parameter {this_name!r} is tied to (or shared with) "
-                f"parameter {owner_name!r}, which the fully_shard call on {owner_call} already sharded. "
-                "Tied parameters must be in one group: pass both modules in one call, "
-                "fully_shard([a, b]), or shard their common parent instead."
-            )
+            raise ValueError(f"fully_shard({this_call}): parameter {this_name!r} is tied to (or shared with) parameter {owner_name!r}, "
+                             f"which the fully_shard call on {owner_call} already sharded. Tied parameters must be in one group: pass "
+                             "both modules in one call, fully_shard([a, b]), or shard their common parent instead.")
         found.setdefault(p, (fqn, []))[1].append((module, name))
     return found
 
 
-def walk_params(
-    modules: tuple[nn.Module, ...], is_sharded: Callable[[nn.Module], bool]
-) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
+def walk_params(modules: tuple[nn.Module, ...],
+                is_sharded: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
     """Every registration ``(fqn, module, name, parameter)`` that a ``fully_shard`` call on ``modules`` reaches: each
     module visited once, not entering a module that ``is_sharded`` says an earlier (inner) call sharded, children
     before a module's own parameters. A parameter registered in several places comes once per place. Pure: the
@@ -342,8 +319,7 @@ def walk_params(
         visited.add(id(module))
         if not top and is_sharded(module):
             return  # owned by an inner call
-        # children before the module's own parameters (post-order, as torch's FSDP2 lays out
-        # its flat buffers): the same layout makes the same collectives, element for element
+        # post-order, as torch's FSDP2 lays out its flat buffers: the same collectives, element for element
         for child_name, child in module._modules.items():
             if child is not None:
                 yield from visit(child, f"{prefix}{child_name}.", False)
@@ -375,11 +351,9 @@ def _fsdp_class(cls: type) -> type:
 
 
 def _no_deepcopy(self: nn.Module, memo: Any) -> Any:
-    raise ShardedDeepcopyError(
-        f"copy.deepcopy is not supported on {type(self).__name__}, a module sharded by fully_shard: its parameters "
-        "alternate between sharded DTensors and views of communication buffers. Deep-copy the model before calling "
-        "fully_shard, or build a new model and load_state_dict(model.state_dict())."
-    )
+    raise ShardedDeepcopyError(f"copy.deepcopy is not supported on {type(self).__name__}, a module sharded by fully_shard: its "
+                               "parameters alternate between sharded DTensors and views of communication buffers. Deep-copy the "
+                               "model before calling fully_shard, or build a new model and load_state_dict(model.state_dict()).")
 
 
 class UnshardHandle:
@@ -440,12 +414,10 @@ class FSDPModule:
 
     def no_sync(self) -> Any:
         """DDP's ``no_sync()`` does not exist here; raises with the fully_shard equivalent."""
-        raise RuntimeError(
-            f"{type(self).__name__} is sharded by fully_shard, which has no no_sync() context "
-            "(that is DistributedDataParallel's). To accumulate gradients without reducing them, "
-            "call model.set_requires_gradient_sync(False) before the accumulating backwards and "
-            "model.set_requires_gradient_sync(True) before the last one."
-        )
+        raise RuntimeError(f"{type(self).__name__} is sharded by fully_shard, which has no no_sync() context (that is "
+                           "DistributedDataParallel's). To accumulate gradients without reducing them, call "
+                           "model.set_requires_gradient_sync(False) before the accumulating backwards and "
+                           "model.set_requires_gradient_sync(True) before the last one.")
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # to_empty(), to(dtype), double(): act on the sharded parameters, then follow them
@@ -648,11 +620,9 @@ class FSDPModule:
             pg, device = group.mesh_info.shard.group, group.device
             found = pg._get_backend(device).name() if has_streams(device) else "no accelerator"
             if found.lower() != backend.lower():
-                raise NotImplementedError(
-                    f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory needs a {backend} process group on "
-                    f"an accelerator, but this module has {found} on {device}. It changes where buffers live, not the results: "
-                    f"call it only when running on {backend}."
-                )
+                raise NotImplementedError(f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory needs a "
+                                          f"{backend} process group on an accelerator, but this module has {found} on {device}. It "
+                                          f"changes where buffers live, not the results: call it only when running on {backend}.")
             _check_own_comms(self, "set_symm_mem_for_comm", group, True)
             _check_symm_buffers(self, group.max_input_buffers, group.force_sum_reduction)
             group.all_gather_comm = PoolComm(pg, backend)
@@ -664,10 +634,9 @@ def _check_own_comms(module: FSDPModule, method: str, group: ParamGroup, symmetr
     """Refuse to replace a user's Comm (``set_custom_*``) or the other kind of pool, as torch does."""
     for comm in (group.all_gather_comm, group.reduce_scatter_comm):
         if comm is not None and getattr(comm, "symmetric", None) is not symmetric:
-            raise ShardedUsageError(
-                f"{type(module).__name__}.{method}: this module's Comm {type(comm).__name__} (set_custom_*, or the other of "
-                "set_symm_mem_for_comm / set_allocate_memory_...) allocates its buffers itself: call only one of these, as in torch."
-            )
+            raise ShardedUsageError(f"{type(module).__name__}.{method}: this module's Comm {type(comm).__name__} (set_custom_*, or "
+                                    "the other of set_symm_mem_for_comm / set_allocate_memory_...) allocates its buffers itself: "
+                                    "call only one of these, as in torch.")
 
 
 def _check_symm_buffers(module: FSDPModule, max_input_buffers: int, symmetric: bool) -> None:
@@ -678,9 +647,8 @@ def _check_symm_buffers(module: FSDPModule, max_input_buffers: int, symmetric: b
 
 def _check_comm(comm: Any, method: str) -> None:
     if not (callable(comm) and callable(getattr(comm, "allocate", None))):
-        raise ValueError(
-            f"{method} expects a Comm: an object with allocate(size, *, dtype, device) and __call__, got {type(comm).__name__}"
-        )
+        raise ValueError(f"{method} expects a Comm: an object with allocate(size, *, dtype, device) and __call__, "
+                         f"got {type(comm).__name__}")
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
@@ -701,11 +669,8 @@ def _states_of(caller: nn.Module | None, modules: list[Any], method: str) -> lis
     for i, m in enumerate(modules):
         if not isinstance(m, FSDPModule):
             name = repr(type(m).__name__) if caller is None else _name_in_model(caller, m)
-            raise ValueError(
-                f"{method} expects modules sharded by fully_shard, got {name} "
-                f"({type(m).__name__}, item {i} of the list). Pass modules fully_shard was called "
-                "on, e.g. model.layers[i + 1]."
-            )
+            raise ValueError(f"{method} expects modules sharded by fully_shard, got {name} ({type(m).__name__}, item {i} of the "
+                             "list). Pass modules fully_shard was called on, e.g. model.layers[i + 1].")
     return [state_of(m) for m in modules]
 
 

@@ -49,12 +49,10 @@ def next_state(label: str, current: GroupState, new: GroupState) -> GroupState:
 
 
 class ParamGroup:
-    """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call.
-
-    One all-gather rebuilds every parameter of the group (one per unsharded dtype when dtypes are mixed, and per
-    mesh when ``shard_placement_fn`` puts parameters on their own); one reduce-scatter (per reduce dtype and mesh)
-    leaves each rank with the averaged gradient of its own rows, all-reduced across replicas under HSDP.
-    """
+    """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call: one all-gather rebuilds them all (one
+    per unsharded dtype when dtypes are mixed, and per mesh when ``shard_placement_fn`` puts parameters on their own);
+    one reduce-scatter (per reduce dtype and mesh) leaves each rank with the averaged gradient of its own rows,
+    all-reduced across replicas under HSDP."""
 
     def __init__(self, params: list[ShardedParam], mesh_info: MeshInfo, device: torch.device, label: str) -> None:
         self.params = params
@@ -68,8 +66,7 @@ class ParamGroup:
         self._ext_slots: list[list[int]] = []  # their inputs' per-rank slots, in bytes, per bucket
         self._all_gathers: list[comm.CollectiveWork] = []  # in flight while UNSHARDING
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
-        # HSDP with the all-reduce off: reduce-scatter outputs awaiting the all-reduce
-        self._partials: dict[tuple[int, ...], torch.Tensor] = {}
+        self._partials: dict[tuple[int, ...], torch.Tensor] = {}  # HSDP, all-reduce off: reduce-scatter outputs awaiting it
         # user controls (FSDPModule setters)
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -84,8 +81,7 @@ class ParamGroup:
         self.reduce_scatter_groups: dict[int, torch.distributed.ProcessGroup] = {}  # by id(MeshInfo); else the shard group
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: Any = None  # the user's stream to run it on (a torch.Stream)
-        # set by pre-forward under grad mode; cleared once post-backward has run
-        self.needs_post_backward = False
+        self.needs_post_backward = False  # set by pre-forward under grad mode; cleared once post-backward has run
         self.reduce_at_end = False  # skipped on some rank (reduce_scatter_unused_params): reduced in finalize_backward
 
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
@@ -118,7 +114,7 @@ class ParamGroup:
 
         works = []
         for b in self._gather_buckets:
-            pf = self.post_forward.get(id(b[0].mesh_info))  # POST_FORWARD: the mesh's kept slices, within its k ranks
+            pf = self.post_forward.get(id(b[0].mesh_info))
             shards = [p.post_forward_slice if pf else p.flat_shard() for p in b]
             numels = [p.unsharded_numel // pf.size if pf else p.shard_numel for p in b]
             what = f"all-gather of {self.label}'s parameters" + (f" within {pf.size} ranks, for backward" if pf else "")
@@ -148,7 +144,6 @@ class ParamGroup:
             world = work.world_size
             for p in bucket:
                 p.alloc_unsharded()
-            # the current stream waits for the collective, then copies out
             comm.copy_out(work, [p.unsharded_numel // world for p in bucket], [p.gather_dest(world) for p in bucket])
             for p in bucket:
                 p.note_unsharded_version()
@@ -163,11 +158,9 @@ class ParamGroup:
         self._move_to(GroupState.UNSHARDED)
 
     def reshard(self, keep: dict[int, comm.Ranks] | None = None) -> None:
-        """Free the full parameters and point the modules back at the sharded ones.
-
-        With ``keep`` (``reshard_after_forward=k``, after forward: per mesh, by ``id``), each rank of such a mesh
-        first keeps its 1/k slice so backward can all-gather within those k ranks.
-        """
+        """Free the full parameters and point the modules back at the sharded ones. With ``keep``
+        (``reshard_after_forward=k``, after forward: per mesh, by ``id``), each rank of such a mesh first keeps its 1/k
+        slice so backward can all-gather within those k ranks."""
         if self.state is GroupState.UNSHARDING:
             for work in self._all_gathers:
                 work.wait()  # the collective must complete before its buffers go
@@ -229,12 +222,10 @@ class ParamGroup:
     # -- gradients -----------------------------------------------------------------
 
     def reduce_grads(self) -> PendingReduce | None:
-        """Reduce-scatter this group's gradients, or accumulate them while sync is off.
-
-        Returns the reduction in flight; ``finish_reduce`` assigns its result. Parameters whose gradient is None
-        (unused this iteration) take no part, as in torch's FSDP2: which parameters are used must then be the same
-        on every rank.
-        """
+        """Reduce-scatter this group's gradients, or accumulate them while sync is off; returns the reduction in flight
+        (``finish_reduce`` assigns its result). Parameters whose gradient is None (unused this iteration) take no part, as
+        in torch's FSDP2 (which parameters are used must then be the same on every rank), unless
+        ``reduce_scatter_unused_params``."""
         self.needs_post_backward = False
         grads: dict[ShardedParam, torch.Tensor] = {}  # the parameters to reduce, in order
         for p in self.params:
@@ -287,10 +278,9 @@ class ParamGroup:
         )
 
     def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for a reduction; all-reduce across replicas (HSDP); add to the sharded grads.
-
-        Runs on the reduce-scatter stream; then the current stream waits for it, so the optimizer sees the gradients
-        and the held unsharded gradients may be freed."""
+        """Wait for a reduction; all-reduce across replicas (HSDP); add to the sharded grads. Runs on the reduce-scatter
+        stream; then the current stream waits for it, so the optimizer sees the gradients and the held unsharded
+        gradients may be freed."""
         streams = self._streams()
         with streams.use("reduce_scatter"):
             for work, params in pending.reductions:

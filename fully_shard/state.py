@@ -1,9 +1,8 @@
 """The hook driver: the only file that registers module, autograd and state-dict hooks.
 
-One ``FSDPState`` per ``fully_shard`` call. The first forward through an FSDP module makes
-it the root: it finds every state below it and links them to one ``RootContext`` that
-holds per-iteration bookkeeping (execution order, the reduction in flight, the end of
-backward). Each state runs its group through the four phases:
+One ``FSDPState`` per ``fully_shard`` call. The first forward through an FSDP module makes it the root: it finds every
+state below it and links them to one ``RootContext`` that holds per-iteration bookkeeping (execution order, the
+reduction in flight, the end of backward). Each state runs its group through the four phases:
 
     pre_forward   unshard (or take a prefetched all-gather), prefetch the next group,
                   hook the inputs so post_backward runs when their gradients are ready
@@ -58,9 +57,8 @@ class TrainingState(Enum):
     PRE_BACKWARD = auto()  # its outputs' gradients arrived; its backward is computing
 
 
-# the transitions a state may make (``FSDPState.move_to``): forward may nest (a registered
-# forward method that calls forward), a backward may reach a group whose pass is still open
-# (a chunked loss), and post-backward, the end of backward and a reset go back to IDLE
+# the transitions ``FSDPState.move_to`` allows: forward may nest (a registered forward method calling forward), a backward
+# may reach a group whose pass is still open (a chunked loss); the end of backward and a reset send every state to IDLE
 _TRANSITIONS = {
     TrainingState.IDLE: {TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
     TrainingState.FORWARD: {TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
@@ -106,9 +104,8 @@ class RootContext:
             for state in self.states:
                 group = state.group
                 if group is not None and (group.needs_post_backward or group.has_unsharded_grads()):
-                    # inputs needed no gradient, or params unused; or gradients that arrived
-                    # after this group's post-backward ran: a backward over part of the graph
-                    # (a chunked loss) settles every group, then a later one reaches it
+                    # inputs needed no gradient, or params unused; or gradients that arrived after this group's post-backward
+                    # ran: a backward over part of the graph (a chunked loss) settles every group, then a later one reaches it
                     group.reduce_at_end = False
                     state.post_backward(self)
             if self.is_last_backward:
@@ -193,14 +190,11 @@ class FSDPState:
     # -- hooks -----------------------------------------------------------------------
 
     def _register_hooks(self) -> None:
-        """Forward hooks on the module(s).
-
-        A multi-module group opens a *pass* when its first member starts forward (``pre_forward``) and closes it
-        when every member has run (``post_forward``); a member running inside the open pass (a chunked loss calls
-        ``head`` once per chunk) only gets the group gathered and its inputs and output cast. The root's
-        post-forward closes a pass some member never joined; the end of backward, one opened outside the root's
-        forward.
-        """
+        """Forward hooks on the module(s). A multi-module group opens a *pass* when its first member starts forward
+        (``pre_forward``) and closes it when every member has run (``post_forward``); a member running inside the open
+        pass (a chunked loss calls ``head`` once per chunk) only gets the group gathered and its inputs and output cast.
+        The root's post-forward closes a pass some member never joined; the end of backward, one opened outside the
+        root's forward."""
         if len(self.modules) == 1:
             pre_hook = _not_traced(lambda module, args, kwargs: self.pre_forward(args, kwargs))
             post_hook = _not_traced(lambda module, args, output: self.post_forward(output))
@@ -232,9 +226,8 @@ class FSDPState:
         elif self.training_state is TrainingState.PRE_BACKWARD:
             return self.post_forward(output)
         if torch.is_grad_enabled() and self.group is not None:
-            # the pass stays open, so these outputs get no pre-backward hook; should the
-            # group be resharded before their backward (an explicit reshard()), gather it
-            # again rather than let backward read freed storage
+            # the pass stays open, so these outputs get no pre-backward hook; should the group be resharded before their
+            # backward (an explicit reshard()), gather it again rather than let backward read freed storage
             _on_grad(output, functools.partial(self._regather, self.lazy_init()))
         return self._cast_output(output)
 
@@ -257,11 +250,9 @@ class FSDPState:
                 if state is None or state in names:
                     continue
                 if state.ctx is not None:
-                    raise RuntimeError(
-                        f"fully_shard: the module {name!r} inside {type(root_module).__name__} already "
-                        "ran forward on its own, which made it a root. Run forward through the "
-                        "outermost fully_shard module first (call fully_shard on the model last)."
-                    )
+                    raise RuntimeError(f"fully_shard: the module {name!r} inside {type(root_module).__name__} already ran forward "
+                                       "on its own, which made it a root. Run forward through the outermost fully_shard module "
+                                       "first (call fully_shard on the model last).")
                 names[state] = name
         ctx = RootContext(list(names), self.shared_streams or Streams(self.device))
         for state, prefix in names.items():
@@ -308,14 +299,11 @@ class FSDPState:
             shown = ", ".join(repr(n) for n in loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
             where = next(n for n, m in outer.named_modules() if m in mine)
             cls = type(self.modules[0]).__name__.removeprefix("FSDP")
-            raise RuntimeError(
-                f"fully_shard: the sharded module {where!r} ({cls}) runs inside {type(outer).__name__}, which is not sharded "
-                f"but has trainable parameters fully_shard does not manage: {shown}. Their "
-                "gradients would never be averaged across ranks, so every rank would train its "
-                f"own copy. Call fully_shard on the {type(outer).__name__} too, after its blocks "
-                "(e.g. `fully_shard(model)` last); parameters synchronised by other means go in "
-                "that call's ignored_params."
-            )
+            raise RuntimeError(f"fully_shard: the sharded module {where!r} ({cls}) runs inside {type(outer).__name__}, which is "
+                               f"not sharded but has trainable parameters fully_shard does not manage: {shown}. Their gradients "
+                               "would never be averaged across ranks, so every rank would train its own copy. Call fully_shard on "
+                               f"the {type(outer).__name__} too, after its blocks (e.g. `fully_shard(model)` last); parameters "
+                               "synchronised by other means go in that call's ignored_params.")
 
     # -- forward -----------------------------------------------------------------------
 
@@ -380,8 +368,7 @@ class FSDPState:
         return args, kwargs
 
     def _check_registered_params(self, ctx: RootContext) -> None:
-        """Refuse a parameter replaced after fully_shard (e.g. weights tied afterwards): fully_shard gathers and
-        reduces the one it registered, not the newcomer."""
+        """Refuse a parameter replaced after fully_shard (e.g. weights tied afterwards): fully_shard reduces the one it registered."""
         for state in ctx.states:
             for p in state.group.params if state.group is not None else ():
                 for module, name in p.uses:
@@ -394,13 +381,10 @@ class FSDPState:
         where = next((f"{m_name}.{name}".lstrip(".") for m_name, m in root.named_modules() if m is module), fqn)
         new = next((n for n, q in root.named_parameters(remove_duplicate=False) if q is now and n != where), None)
         what = f"the parameter {new!r}" if new is not None else f"a {type(now).__name__} that is not a parameter of the model"
-        raise RuntimeError(
-            f"fully_shard: parameter {where!r} was replaced after fully_shard by {what} (e.g. "
-            f"weights tied afterwards: `model.{where} = model.{new or '...'}`). fully_shard gathers "
-            "and reduces the parameter it registered, so training would silently ignore the "
-            "change. Tie or replace parameters before calling fully_shard (tied parameters must "
-            "be in one fully_shard call, e.g. on their common parent)."
-        )
+        raise RuntimeError(f"fully_shard: parameter {where!r} was replaced after fully_shard by {what} (e.g. weights tied "
+                           f"afterwards: `model.{where} = model.{new or '...'}`). fully_shard gathers and reduces the parameter it "
+                           "registered, so training would silently ignore the change. Tie or replace parameters before calling "
+                           "fully_shard (tied parameters must be in one fully_shard call, e.g. on their common parent).")
 
     def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
         """Close the passes still open (a member the model's forward skipped: they end with the root's, innermost
@@ -459,13 +443,10 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         if torch.is_grad_enabled():  # only a backward with create_graph=True records a graph
-            raise RuntimeError(
-                f"fully_shard: a backward with create_graph=True reached {self._name()} (double "
-                "backward, e.g. a gradient penalty via torch.autograd.grad(..., create_graph=True)). "
-                "fully_shard frees the full parameters after each group's backward, and the "
-                "second-order graph would read them later: it is not supported. Compute the "
-                "higher-order term outside the sharded modules, or without create_graph."
-            )
+            raise RuntimeError(f"fully_shard: a backward with create_graph=True reached {self._name()} (double backward, e.g. a "
+                               "gradient penalty via torch.autograd.grad(..., create_graph=True)). fully_shard frees the full "
+                               "parameters after each group's backward, and the second-order graph would read them later: it is "
+                               "not supported. Compute the higher-order term outside the sharded modules, or without create_graph.")
         with record_function("fully_shard::pre_backward"):
             ctx.queue_finalize()
             self.move_to(TrainingState.PRE_BACKWARD)
@@ -506,10 +487,8 @@ class FSDPState:
         if self.ctx is None:
             return  # no forward has run: nothing to reset
         if not self.is_root:
-            raise RuntimeError(
-                "reset_iter_state() must be called on the root module (the one fully_shard was "
-                "applied to last, whose forward ran first)"
-            )
+            raise RuntimeError("reset_iter_state() must be called on the root module (the one fully_shard was applied to last, "
+                               "whose forward ran first)")
         self.ctx.reset()
 
     # -- tensor hooks ----------------------------------------------------------------------
@@ -520,9 +499,7 @@ class FSDPState:
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return args, kwargs
-        hooked: tuple[torch.Tensor, ...] = _PostBackward.apply(  # type: ignore[no-untyped-call]
-            self, ctx, *(leaves[i] for i in positions)
-        )
+        hooked = _PostBackward.apply(self, ctx, *(leaves[i] for i in positions))  # type: ignore[no-untyped-call]
         for i, t in zip(positions, hooked):
             leaves[i] = t
         if spec is None:
@@ -566,9 +543,8 @@ def _register_state_dict_hooks(group: ParamGroup) -> None:
 
     for module, params in by_module.items():
 
-        def load_pre_hook(
-            m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, params: dict[str, ShardedParam] = params
-        ) -> None:
+        def load_pre_hook(m: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any,
+                          params: dict[str, ShardedParam] = params) -> None:
             if group.state is not GroupState.SHARDED:
                 group.reshard()
             for name, sp in params.items():
