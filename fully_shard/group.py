@@ -171,7 +171,7 @@ class ParamGroup:
             for p in self.params:
                 p.check_unsharded_version()
             for p in self.params:
-                if (ranks := keep.get(id(p.mesh_info))) is not None:
+                if keep and (ranks := keep.get(id(p.mesh_info))) is not None:
                     p.keep_post_forward_slice(ranks.size, ranks.rank)
                 p.free_unsharded()
         self.post_forward = keep
