@@ -221,3 +221,26 @@ def test_trace_outside_fully_shard_is_empty(fn: str) -> None:
     with trace_comm() as trace:
         pass
     assert getattr(trace, fn)() in ([], "phase     kind            group                        ranks        bytes  start ms   dur ms")
+
+
+def test_set_debug_keeps_one_check_and_debug_collectives_restores_the_mode() -> None:
+    from fully_shard import comm
+    from fully_shard.tools import is_debug, set_debug
+
+    saved = list(comm.monitor.checks)
+    try:
+        comm.monitor.checks = []
+        set_debug(True)
+        set_debug(True)
+        assert is_debug() and len(comm.monitor.checks) == 1  # one check, however often it is turned on
+        set_debug(False)
+        assert not is_debug() and comm.monitor.checks == []
+        with debug_collectives():
+            assert is_debug()
+        assert not is_debug()
+        set_debug(True)
+        with debug_collectives():
+            pass
+        assert is_debug()  # on before the context (e.g. FULLY_SHARD_DEBUG=1): stays on after it
+    finally:
+        comm.monitor.checks = saved

@@ -43,7 +43,13 @@ class _SameEverywhere:
 
 
 def is_debug() -> bool:
-    """Whether the debug mode is on (``FULLY_SHARD_DEBUG=1``, :func:`set_debug` or inside :func:`debug_collectives`)."""
+    """Whether the debug mode is on (``FULLY_SHARD_DEBUG=1``, :func:`set_debug` or inside :func:`debug_collectives`).
+
+    Example::
+
+        >>> with fully_shard.tools.debug_collectives():
+        ...     assert fully_shard.tools.is_debug()
+    """
     return any(isinstance(c, _SameEverywhere) for c in comm.monitor.checks)
 
 
