@@ -183,9 +183,7 @@ class FSDPState:
     def _name(self) -> str:
         """Its module(s) for messages: by fully-qualified name once the root is known."""
         cls = ", ".join(type(m).__name__.removeprefix("FSDP") for m in self.modules)
-        if self.fqn is None:
-            return cls
-        return f"the root module ({cls})" if self.fqn == "" else f"module {self.fqn!r} ({cls})"
+        return cls if self.fqn is None else f"the root module ({cls})" if self.fqn == "" else f"module {self.fqn!r} ({cls})"
 
     # -- hooks -----------------------------------------------------------------------
 
@@ -405,21 +403,22 @@ class FSDPState:
         return output
 
     def _agree_on_skipped(self, pairs: list[tuple[FSDPState, ParamGroup, int]]) -> None:
-        """reduce_scatter_unused_params: a group gathered but skipped on some ranks reduces zeros there at the end of
-        backward, elsewhere when its backward ends: the reduce-scatters would pair up wrongly. One small all-reduce
-        finds such groups; every rank reduces them at the end."""
-        seen = torch.zeros(len(pairs), 3, device=self.device)  # per group, one-hot: which case anywhere
-        seen[torch.arange(len(pairs)), torch.tensor([code for _, _, code in pairs])] = 1
-        for ranks in (r for r in (pairs[0][1].mesh_info.shard, pairs[0][1].mesh_info.replicate) if r is not None and r.size > 1):
+        """reduce_scatter_unused_params: a group gathered but skipped on some ranks reduces zeros there at the end of backward, elsewhere
+        when its backward ends: the reduce-scatters would pair up wrongly. One small all-reduce per mesh finds such groups (and those run
+        nowhere that hold gradients accumulated with sync off); every rank reduces them at the end."""
+        seen = torch.tensor([[c == 0, c == 1, c == 2, any(p.accumulated_grad is not None for p in g.params)] for _, g, c in pairs],
+                            dtype=torch.float, device=self.device)  # per group, anywhere: untouched, skipped, ran; holds gradients
+        infos = {id(i): i for _, g, _ in pairs for i in (g.mesh_info, *(p.mesh_info for p in g.params))}  # shard_placement_fn's too
+        for ranks in (r for i in infos.values() for r in (i.shard, i.replicate) if r is not None and r.size > 1):
             all_reduce(seen, ranks.group, torch.distributed.ReduceOp.MAX, "exchange of the modules skipped per rank")
-        for (state, group, _), (untouched, skipped, ran) in zip(pairs, seen.tolist()):
+        for (state, group, _), (untouched, skipped, ran, held) in zip(pairs, seen.tolist()):
             if (untouched and (skipped or ran)) or (skipped and ran and state.reshard_after_forward and group.unshard_in_backward):
                 how = "was not all-gathered on the others" if untouched else "resharded after it: its backward all-gathers there only"
                 raise RuntimeError(f"fully_shard: {state._name()} ran forward on some ranks only and {how}. A module that may skip "
                                    "forward on a rank (mixture-of-experts routing) must be gathered on every rank: list it in "
                                    "set_modules_to_forward_prefetch of a module that runs everywhere (or call its unshard()), "
                                    "and give it reshard_after_forward=False.")
-            group.reduce_at_end = bool(skipped and ran)  # run nowhere: no gradient, as torch's first step
+            group.reduce_at_end = bool((skipped or untouched) and (ran or held))  # run nowhere, none held: no gradient
             group.needs_post_backward |= group.reduce_at_end
 
     def _forward_prefetch_targets(self, ctx: RootContext) -> list[FSDPState]:

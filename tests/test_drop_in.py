@@ -382,34 +382,64 @@ SKIP_ROUTES = {
 }
 
 
-def _skipping_moe(use_torch: bool, routes: list[list[list[int]]], prefetch: bool = True) -> Any:
+def _moe_meshes(layout: str, world: int, result: Any) -> tuple[Any, dict[str, Any]]:
+    """The mesh of every call, and the experts' own fully_shard arguments: ``fsdp`` 1-D; ``hsdp`` (2, world/2);
+    ``experts_mesh`` 1-D, the experts' parameters on a (2, world/2) HSDP mesh of their own (a ShardPlacementResult, as
+    torchtitan places them); ``experts_sub_mesh`` their calls on a world/2-rank sub-mesh, their parameters on the 1-D."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    if layout == "hsdp":
+        return init_device_mesh(device_type(), (2, world // 2), mesh_dim_names=("rep", "shard")), {}
+    mesh = init_device_mesh(device_type(), (world,))
+    if layout == "fsdp":
+        return mesh, {}
+    grid = init_device_mesh(device_type(), (2, world // 2), mesh_dim_names=("rep", "efsdp"))
+    sub = layout == "experts_sub_mesh"  # torch: one info object per process group
+    info = FSDPMeshInfo(mesh, 0) if sub else HSDPMeshInfo(grid, shard_mesh_dim=1, replicate_mesh_dim=0)
+    return mesh, {"shard_placement_fn": lambda p: result(Shard(0), info), **({"mesh": grid["efsdp"]} if sub else {})}
+
+
+def _skipping_moe(use_torch: bool, routes: list[list[list[int]]], prefetch: bool = True, layout: str = "fsdp",
+                  accumulate: int = 1) -> Any:
+    """Train on ``routes`` (each entry a microbatch; the optimizer steps after every ``accumulate``, the others run
+    with gradient sync off); check the gradients and parameters against the unsharded model."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as TorchResult
 
-    from fully_shard import fully_shard
+    from fully_shard import ShardPlacementResult, fully_shard
 
-    shard = torch_fully_shard if use_torch else fully_shard
+    shard, result = (torch_fully_shard, TorchResult) if use_torch else (fully_shard, ShardPlacementResult)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = SkippingMoE().to(device())
     ref = copy.deepcopy(model)
-    mesh = init_device_mesh(device_type(), (world,))
+    mesh, place = _moe_meshes(layout, world, result)
     for m in [*model.experts, model.inp, model.out, model]:
         # with prefetch, no module gathers again in backward (a skipped one would not)
-        shard(m, mesh=mesh, reshard_after_forward=not prefetch)
+        shard(m, **{"mesh": mesh, "reshard_after_forward": not prefetch, **(place if m in model.experts else {})})
     if prefetch:
         model.inp.set_modules_to_forward_prefetch(list(model.experts))
     model.set_reduce_scatter_unused_params(True)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    no_grad = []
     for step, route in enumerate(routes):
         xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device()) for r in range(world)]
+        sync = (step + 1) % accumulate == 0
+        model.set_requires_gradient_sync(sync)
         try:
             model(xs[rank], route[rank]).sum().backward()
         except RuntimeError as e:
             return str(e)
-        no_grad = [p.grad is None for p in model.parameters()]
+        (sum(ref(xs[r], route[r]).sum() for r in range(world)) / world).backward()
+        if not sync:
+            continue
+        no_grad += [p.grad is None for p in model.parameters()]
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            # used nowhere in this step: no gradient in either (or a zero one, where every rank reduced zeros)
+            got, want = (torch.zeros_like(q) if g is None else g for g in (None if p.grad is None else p.grad.full_tensor(), q.grad))
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"step {step}: {name}.grad")
         opt.step()
         opt.zero_grad()
-        (sum(ref(xs[r], route[r]).sum() for r in range(world)) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     full = [p.full_tensor() for p in model.parameters()]
@@ -418,15 +448,59 @@ def _skipping_moe(use_torch: bool, routes: list[list[list[int]]], prefetch: bool
     return full, no_grad
 
 
+def _skipping_like_torch(world_size: int, *args: Any) -> list[Any]:
+    """Ours, checked against the unsharded model in the body (gradients each step, parameters at the end), and where
+    torch FSDP2 trains right, bitwise equal to it: the same gloo collectives on the same layouts, in another order."""
+    ours = run_distributed(_skipping_moe, world_size, False, *args)
+    theirs = run_distributed(_skipping_moe, world_size, True, *args)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert all(torch.equal(p, q) for p, q in zip(a[0], b[0])) and a[1] == b[1], f"rank {rank}"
+    return ours
+
+
 @pytest.mark.parametrize("case", SKIP_ROUTES)
 def test_reduce_scatter_unused_params_with_an_expert_skipped_on_a_rank(case: str) -> None:
-    ours = run_distributed(_skipping_moe, 2, False, SKIP_ROUTES[case])  # checked against the unsharded model
     if case in ("skip_last_in_backward", "never_run"):
-        # where torch FSDP2 trains right: bitwise equal (the same reductions, each a two-rank
-        # average, in another order)
-        theirs = run_distributed(_skipping_moe, 2, True, SKIP_ROUTES[case])
-        assert all(torch.equal(a, b) for a, b in zip(ours[0][0], theirs[0][0]))
-        assert ours[0][1] == theirs[0][1] and (case != "never_run" or any(ours[0][1]))  # run nowhere: no gradient
+        ours = _skipping_like_torch(2, SKIP_ROUTES[case])
+        assert case != "never_run" or any(ours[0][1])  # run nowhere: no gradient
+    else:
+        run_distributed(_skipping_moe, 2, False, SKIP_ROUTES[case])
+
+
+# 4 ranks, rank = 2 * replica + shard rank (HSDP, and the experts' own mesh). torch FSDP2 (hsdp and
+# experts_mesh) trains the first right and hangs in the others: some ranks reduce an expert at the end
+MESH_ROUTES = {
+    "one_rank_of_one_replica": [[[0, 1]] * 4, [[0, 1], [0, 1], [0, 1], [1]]],
+    "whole_replica": [[[0, 1]] * 4, [[0, 1], [0, 1], [0], [0]], [[2], [2], [0, 1], [0, 1]]],
+    "mixed": [[[0], [0, 1], [1, 2], [0, 1]], [[2], [0], [1], [0, 2]]],
+}
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "experts_mesh", "experts_sub_mesh"])
+@pytest.mark.parametrize("case", MESH_ROUTES)
+def test_expert_skipped_on_a_rank_with_hsdp_or_its_own_mesh(layout: str, case: str) -> None:
+    if case == "one_rank_of_one_replica" and layout != "experts_sub_mesh":
+        _skipping_like_torch(4, MESH_ROUTES[case], True, layout)
+    else:
+        run_distributed(_skipping_moe, 4, False, MESH_ROUTES[case], True, layout)
+
+
+# 2 ranks, microbatches in pairs: the first with gradient sync off, the second synced. An expert
+# run nowhere in a synced microbatch still reduces what earlier ones accumulated (torch FSDP2 keeps
+# it for a later step, or with it on one rank only mismatches the reduce-scatters)
+ACCUMULATE_ROUTES = {
+    "skip_in_accumulation": [[[0, 1], [1]], [[0, 1], [0, 1]]],  # torch: right
+    "skip_in_both": [[[0, 1], [1]], [[0], [0, 1]], [[2], [0]], [[1], [1, 2]]],
+    "run_only_in_accumulation": [[[0, 1], [0]], [[0], [0]]],
+}
+
+
+@pytest.mark.parametrize("case", ACCUMULATE_ROUTES)
+def test_expert_skipped_on_a_rank_with_gradient_accumulation(case: str) -> None:
+    if case == "skip_in_accumulation":
+        _skipping_like_torch(2, ACCUMULATE_ROUTES[case], True, "fsdp", 2)
+    else:
+        run_distributed(_skipping_moe, 2, False, ACCUMULATE_ROUTES[case], True, "fsdp", 2)
 
 
 @pytest.mark.parametrize("routes, message", [
