@@ -485,13 +485,14 @@ def test_expert_skipped_on_a_rank_with_hsdp_or_its_own_mesh(layout: str, case: s
         run_distributed(_skipping_moe, 4, False, MESH_ROUTES[case], True, layout)
 
 
-# 2 ranks, microbatches in pairs: the first with gradient sync off, the second synced. An expert
+# microbatches in pairs: the first with gradient sync off, the second synced (2 ranks; 4: HSDP). An expert
 # run nowhere in a synced microbatch still reduces what earlier ones accumulated (torch FSDP2 keeps
 # it for a later step, or with it on one rank only mismatches the reduce-scatters)
 ACCUMULATE_ROUTES = {
     "skip_in_accumulation": [[[0, 1], [1]], [[0, 1], [0, 1]]],  # torch: right
     "skip_in_both": [[[0, 1], [1]], [[0], [0, 1]], [[2], [0]], [[1], [1, 2]]],
     "run_only_in_accumulation": [[[0, 1], [0]], [[0], [0]]],
+    "hsdp": [[[0, 1], [0], [0, 1], [0, 1]], [[0], [0], [0], [2]], [[1], [1], [0, 1, 2], [1]], [[2], [2], [2], [2]]],
 }
 
 
@@ -500,7 +501,8 @@ def test_expert_skipped_on_a_rank_with_gradient_accumulation(case: str) -> None:
     if case == "skip_in_accumulation":
         _skipping_like_torch(2, ACCUMULATE_ROUTES[case], True, "fsdp", 2)
     else:
-        run_distributed(_skipping_moe, 2, False, ACCUMULATE_ROUTES[case], True, "fsdp", 2)
+        routes = ACCUMULATE_ROUTES[case]
+        run_distributed(_skipping_moe, len(routes[0]), False, routes, True, "hsdp" if case == "hsdp" else "fsdp", 2)
 
 
 @pytest.mark.parametrize("routes, message", [
