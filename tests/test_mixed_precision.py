@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -22,6 +23,7 @@ from tests.collectives import CollectiveRecorder
 from tests.harness import device, device_type, run_distributed
 from tests.models import Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer, average_gradients
+from tests.transfers import Transfer, record_transfers
 
 BF16_FP32 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 FP16 = dict(param_dtype=torch.float16)
@@ -273,3 +275,35 @@ def _offload(pin_memory: bool) -> None:
 def test_cpu_offload_on_cpu_mesh(pin_memory: bool) -> None:
     # torch 2.13's FSDP2 crashes here with pin_memory=True and no accelerator
     run_distributed(_offload, 2, pin_memory)
+
+
+def _offload_transfers(impl: str, pin_memory: bool) -> list[list[Transfer]]:
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    model = Transformer()
+    shard_fn, policy_cls = (fully_shard, MixedPrecisionPolicy) if impl == "ours" else (torch_fully_shard, TorchMixedPrecisionPolicy)
+    offload = CPUOffloadPolicy(pin_memory) if impl == "ours" else TorchCPUOffloadPolicy(pin_memory)
+    _shard(model, shard_fn, mesh, mp_policy=policy_cls(**BF16_FP32), offload_policy=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logs = []
+    for step in range(2):
+        x = batch(step, dist.get_rank())
+        with record_transfers({p.to_local().untyped_storage().data_ptr() for p in model.parameters()}) as log:
+            loss_fn(model(x), x).backward()
+        logs.append(log)
+        opt.step()
+        opt.zero_grad()
+    return logs
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_offload_moves_shards_like_torch(world_size: int) -> None:
+    ours = run_distributed(_offload_transfers, world_size, "ours", False)
+    theirs = run_distributed(_offload_transfers, world_size, "torch", False)
+    for rank, (log, torch_log) in enumerate(zip(ours, theirs)):
+        for step, (a, b) in enumerate(zip(log, torch_log)):
+            # every all-gather reads an offloaded shard through one explicit, non-blocking move to the device that
+            # keeps its dtype (the cast to bf16 then runs on the device copy, not on the host); each gradient
+            # comes back by one explicit (blocking when not pinned) move: the same transfers as torch's FSDP2
+            shards = [t for t in a if t.source == "shard"]
+            assert shards and set(shards) == {Transfer("shard", True, False, None)}, (rank, step, a)
+            assert sorted(a) == sorted(b), (rank, step, a, b)
