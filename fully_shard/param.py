@@ -105,7 +105,7 @@ class ShardedParam:
         # offloading keeps the sharded parameter (and so its grad and optimizer state) on the CPU
         self.shard_device = torch.device("cpu") if offload else device
         self.offload = offload
-        self.pin_memory = offload and pin_memory  # as asked: gradients come back to pinned memory without blocking
+        self.pin_memory = offload and pin_memory  # as asked: shards kept pinned, gradients come back without blocking
 
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         if mesh_info.spmd_mesh is not None:
@@ -138,7 +138,7 @@ class ShardedParam:
         self.shard_numel = layout.slot_numel if shard_dim == 0 else src.numel()  # every rank's slot, dim 0 padded
 
         target = torch.device("meta") if param.is_meta else self.shard_device
-        pin = pin_memory and offload and target.type == "cpu" and torch.accelerator.is_available()
+        pin = target.type == "cpu" and self._pins()
         if self.extension:  # keep the subclass: its own ops make the shard
             local = src.to(target).clone()
             if type(local) is not type(data):
@@ -167,6 +167,10 @@ class ShardedParam:
         self.owner = owner
         self.sharded_param.__dict__[OWNER_ATTR] = owner
 
+    def _pins(self) -> bool:
+        """Whether offloaded shards are kept in pinned host memory: if asked, and an accelerator can pin (no subclass)."""
+        return self.pin_memory and not self.extension and torch.accelerator.is_available()
+
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
         self.unsharded_dtype, self.reduce_dtype = param_dtypes(dtype, self.mp_policy)  # all-gather and compute; reduce-scatter
@@ -174,8 +178,11 @@ class ShardedParam:
     def refresh_after_apply(self) -> None:
         """After ``to_empty()`` / ``to()`` / ``.double()``: keep offloaded shards on the CPU, and follow a new dtype."""
         local = self.local_shard
-        if not local.is_meta and local.device != self.shard_device:
-            moved = nn.Parameter(self.to_sharded_dtensor(local.to(self.shard_device)), requires_grad=self.sharded_param.requires_grad)
+        kept = local if local.is_meta else local.to(self.shard_device)
+        if not kept.is_meta and self._pins() and not kept.is_pinned():  # a new host tensor (to_empty(device="cpu")): pin it
+            kept = kept.pin_memory()
+        if kept is not local:
+            moved = nn.Parameter(self.to_sharded_dtensor(kept), requires_grad=self.sharded_param.requires_grad)
             torch.utils.swap_tensors(self.sharded_param, moved)
         self.set_owner(self.owner)  # Module._apply swaps DTensor parameters, attributes too
         dtype = self.local_shard.dtype

@@ -237,12 +237,20 @@ def test_mixed_original_dtypes_in_one_group() -> None:
     assert counts == {"all_gather": 8, "reduce_scatter": 4}, counts
 
 
-def _offload(pin_memory: bool) -> None:
+def _offload(pin_memory: bool, meta_init: bool = False) -> None:
     ws, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device_type(), (ws,))
     ref = Transformer()
-    offloaded = copy.deepcopy(ref)
+    if meta_init:  # torch's recipe for offload: shard on meta, materialise on the CPU, then load
+        with torch.device("meta"):
+            offloaded = Transformer()
+    else:
+        offloaded = copy.deepcopy(ref)
     _shard(offloaded, fully_shard, mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+    if meta_init:
+        offloaded.to_empty(device="cpu")  # new host tensors: pinned again where the policy pins
+        offloaded.load_state_dict(ref.state_dict())
+        offloaded.pos = ref.pos.clone()  # non-persistent: not in the state dict
     opt = torch.optim.AdamW(offloaded.parameters(), lr=1e-2)
     ref_opt = ShardwiseOptimizer(ref.parameters(), ws, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     compute_devices = []
@@ -275,6 +283,12 @@ def _offload(pin_memory: bool) -> None:
 def test_cpu_offload_on_cpu_mesh(pin_memory: bool) -> None:
     # torch 2.13's FSDP2 crashes here with pin_memory=True and no accelerator
     run_distributed(_offload, 2, pin_memory)
+
+
+def test_cpu_offload_after_meta_init_and_to_empty() -> None:
+    # pinning is checked under the accelerator switch only (a CPU cannot pin): to_empty(device="cpu") makes new host
+    # tensors, which are pinned again, as torch's FSDP2 does at lazy init
+    run_distributed(_offload, 2, True, True)
 
 
 def _offload_transfers(impl: str, pin_memory: bool) -> list[list[Transfer]]:
