@@ -115,7 +115,7 @@ class ParamGroup:
         works = []
         for b in self._gather_buckets:
             pf = self.post_forward.get(id(b[0].mesh_info))
-            shards = [p.post_forward_slice if pf else p.flat_shard() for p in b]
+            shards = [p.post_forward_slice if pf else p.all_gather_input() for p in b]
             numels = [p.unsharded_numel // pf.size if pf else p.shard_numel for p in b]
             what = f"all-gather of {self.label}'s parameters" + (f" within {pf.size} ranks, for backward" if pf else "")
             works.append(gather(shards, numels, b[0].unsharded_dtype, what, pf or b[0].mesh_info.shard))
@@ -183,8 +183,9 @@ class ParamGroup:
 
     def _hold_all_gathers(self) -> None:
         """The all-gather buffers were last used on the current stream: keep them until the copy-in stream has waited
-        for that use (no-op without streams)."""
-        self._streams().hold_all_gather(*(t for w in self._all_gathers for t in (w.input, w.output)))
+        for that use (no-op without streams). Over one rank the buffers are the shards copied out, which the copy-in
+        stream made when they were offloaded."""
+        self._streams().hold_all_gather(*(t for w in self._all_gathers for t in (w.input, w.output, *w.shards)))
         self._all_gathers = []
 
     def reset(self) -> None:
@@ -282,6 +283,7 @@ class ParamGroup:
         stream; then the current stream waits for it, so the optimizer sees the gradients and the held unsharded
         gradients may be freed."""
         streams = self._streams()
+        to_host = False  # offloaded gradients copied to pinned memory without blocking
         with streams.use("reduce_scatter"):
             for work, params in pending.reductions:
                 info = params[0].mesh_info
@@ -299,8 +301,11 @@ class ParamGroup:
                     streams.detour(self.all_reduce_hook_stream, lambda: hook(output))
                 if work.post_divide is not None and work.post_divide != 1:
                     output.div_(work.post_divide)
-                accumulate_sharded_grads(params, reduced_parts(params, output))
-        streams.current_waits(streams.record("reduce_scatter"))
+                to_host |= accumulate_sharded_grads(params, reduced_parts(params, output))
+        done = streams.record("reduce_scatter")
+        streams.current_waits(done)
+        if to_host:
+            streams.host_waits(done)
         pending.held = []
 
 

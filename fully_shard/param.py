@@ -104,6 +104,8 @@ class ShardedParam:
         self._set_dtypes(param.dtype)
         # offloading keeps the sharded parameter (and so its grad and optimizer state) on the CPU
         self.shard_device = torch.device("cpu") if offload else device
+        self.offload = offload
+        self.pin_memory = offload and pin_memory  # as asked: shards kept pinned, gradients come back without blocking
 
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         if mesh_info.spmd_mesh is not None:
@@ -136,7 +138,7 @@ class ShardedParam:
         self.shard_numel = layout.slot_numel if shard_dim == 0 else src.numel()  # every rank's slot, dim 0 padded
 
         target = torch.device("meta") if param.is_meta else self.shard_device
-        pin = pin_memory and offload and target.type == "cpu" and torch.accelerator.is_available()
+        pin = target.type == "cpu" and self._pins()
         if self.extension:  # keep the subclass: its own ops make the shard
             local = src.to(target).clone()
             if type(local) is not type(data):
@@ -165,6 +167,10 @@ class ShardedParam:
         self.owner = owner
         self.sharded_param.__dict__[OWNER_ATTR] = owner
 
+    def _pins(self) -> bool:
+        """Whether offloaded shards are kept in pinned host memory: if asked, and an accelerator can pin (no subclass)."""
+        return self.pin_memory and not self.extension and torch.accelerator.is_available()
+
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
         self.unsharded_dtype, self.reduce_dtype = param_dtypes(dtype, self.mp_policy)  # all-gather and compute; reduce-scatter
@@ -172,8 +178,11 @@ class ShardedParam:
     def refresh_after_apply(self) -> None:
         """After ``to_empty()`` / ``to()`` / ``.double()``: keep offloaded shards on the CPU, and follow a new dtype."""
         local = self.local_shard
-        if not local.is_meta and local.device != self.shard_device:
-            moved = nn.Parameter(self.to_sharded_dtensor(local.to(self.shard_device)), requires_grad=self.sharded_param.requires_grad)
+        kept = local if local.is_meta else local.to(self.shard_device)
+        if not kept.is_meta and self._pins() and not kept.is_pinned():  # a new host tensor (to_empty(device="cpu")): pin it
+            kept = kept.pin_memory()
+        if kept is not local:
+            moved = nn.Parameter(self.to_sharded_dtensor(kept), requires_grad=self.sharded_param.requires_grad)
             torch.utils.swap_tensors(self.sharded_param, moved)
         self.set_owner(self.owner)  # Module._apply swaps DTensor parameters, attributes too
         dtype = self.local_shard.dtype
@@ -228,6 +237,14 @@ class ShardedParam:
         if self._flat[0] is not local:
             self._flat = (local, local.view(-1) if local.is_contiguous() else None)
         return self._flat[1] if self._flat[1] is not None else local.reshape(-1)
+
+    def all_gather_input(self) -> torch.Tensor:
+        """This rank's part, 1-D, on the compute device. An offloaded shard is moved there in its own dtype without
+        blocking (from pinned memory: an asynchronous copy on the current stream), so that the cast to the all-gather
+        dtype runs on the device: a blocking copy that casts would cast on the host into a new pageable tensor, then
+        copy that and wait for the device, once per parameter."""
+        flat = self.flat_shard()
+        return flat.to(self.device, non_blocking=True) if self.offload else flat
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full (TP-local) tensor shaped like the parameter."""
@@ -358,7 +375,7 @@ class ShardedParam:
         one's per-rank slot in bytes (dim 0 padded like the parameter's rows)."""
         local = self.local_shard
         if local.device != self.device:
-            local = local.to(self.device)
+            local = local.to(self.device, non_blocking=True)  # see all_gather_input
         pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
         info = self.mesh_info
         mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[info.shard_mesh_dim]]  # type: ignore[index]
@@ -442,14 +459,21 @@ class ShardedParam:
         return full.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
 
 
-def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> None:
-    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set it."""
+def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> bool:
+    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set it.
+
+    Offloaded gradients are cast where the part is (the device), then moved to the host: without blocking, into pinned
+    memory, where the policy pins and nothing on the host reads them before the end of backward (no gradient to add to,
+    no post-accumulate-grad hook). Returns whether such a copy was issued: the host must wait for it (``Streams``)."""
     adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    pending_copy = False
     for p, part in zip(params, parts):
-        local = part.view(p.local_shape)
-        if p.dtype != part.dtype or p.shard_device != part.device:
-            local = local.to(device=p.shard_device, dtype=p.dtype)
+        local = part.view(p.local_shape).to(p.dtype)
         grad = p.sharded_param.grad
+        if p.offload:
+            non_blocking = p.pin_memory and grad is None and not p.sharded_param._post_accumulate_grad_hooks
+            local = local.to(p.shard_device, non_blocking=non_blocking)
+            pending_copy |= non_blocking
         if grad is None:
             p.sharded_param.grad = p.to_sharded_dtensor(local)
         else:
@@ -457,6 +481,7 @@ def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tenso
             adds[1].append(local)
     if adds[0]:
         torch._foreach_add_(*adds)
+    return pending_copy
 
 
 def reduced_parts(params: list[ShardedParam], flat: torch.Tensor) -> list[torch.Tensor]:

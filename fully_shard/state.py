@@ -111,6 +111,7 @@ class RootContext:
             if self.is_last_backward:
                 with torch.no_grad():
                     self.finish_reduce()
+            self.streams.wait_host()  # offloaded gradients in pinned memory: copied before the optimizer reads them
             for state in self.states:
                 state.move_to(TrainingState.IDLE)
                 state.to_run.clear()  # passes opened by members called on their own

@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -97,6 +98,8 @@ def test_gpu_check_dry_run(tmp_path: pathlib.Path) -> None:
     for impl in ("fully_shard", "torch_fsdp2"):
         assert f"| {impl} | no |" in text and f"| {impl} | CPU |" in text, text
     assert "Dry run on the CPU" in text
+    for impl in ("fully_shard", "torch_fsdp2"):  # the offload rows, timed by phase
+        assert re.search(rf"\| {impl} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", text), text
     svg = ET.parse(f"{stem}-streams.svg").getroot()
     assert any(el.tag.endswith("rect") for el in svg.iter())  # fully_shard's phases drawn
     with gzip.open(f"{stem}-trace.json.gz", "rt") as f:
