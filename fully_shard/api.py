@@ -121,9 +121,12 @@ def fully_shard(
         offload_policy: :class:`CPUOffloadPolicy` keeps the sharded parameters, gradients and optimizer state in
             host memory (``optimizer.step()`` runs on the CPU), copied to the mesh device for each all-gather and
             back after each reduce-scatter.
-        ignored_params: parameters of ``module`` left alone: not sharded, not moved, gradients not reduced. The
-            root's first forward refuses a trainable parameter of the enclosing model that no call shards or ignores
-            (a forgotten ``fully_shard(model)``).
+        ignored_params: parameters left alone: not sharded, not moved, gradients not reduced. As in torch, one set
+            may go to every call of a walk (``keep = {model.norm.weight}``, then ``ignored_params=keep`` for each
+            block and for the model): a call leaves out those it would shard and passes over the rest, so a parameter
+            under a nested call's module is that call's to ignore. The root's first forward refuses a tensor in the
+            set that is no module's parameter (e.g. an EMA copy), and a trainable parameter of the enclosing model
+            that no call shards or ignores (a forgotten ``fully_shard(model)``).
         dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every parameter a DTensor on
             it, ``Replicate()`` on the data-parallel dims this names; fully_shard shards over ``shard`` (HSDP:
             replicates over ``replicate``) and the sharded parameters stay DTensors on the full mesh, laid out as
@@ -148,7 +151,9 @@ def fully_shard(
     device = mesh_info.device
     ignored = set(ignored_params or ())
     label = ", ".join(type(m).__name__ for m in modules)
-    _check_ignored(modules, ignored, label)
+    if odd := [x for x in ignored if not isinstance(x, torch.Tensor)]:
+        raise ValueError(f"fully_shard({label}): ignored_params must hold parameters, got a {type(odd[0]).__name__} ({odd[0]!r:.60}); "
+                         "pass the parameters themselves, e.g. ignored_params={model.norm.weight}")
 
     found = _collect_params(modules, ignored)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -221,19 +226,6 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
         if getattr(m, STATE_ATTR, None) is not None:
             raise ShardedUsageError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
     return modules
-
-
-def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], label: str) -> None:
-    """Every ignored parameter must be one of the modules' parameters."""
-    if not ignored:
-        return
-    known = {id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False)}
-    stray = [p for p in ignored if id(p) not in known]
-    if stray:
-        what = ", ".join(f"a {type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p) for p in stray)
-        raise ValueError(f"fully_shard({label}): ignored_params holds {len(stray)} tensor(s) that are not parameters of the module(s): "
-                         f"{what}. Pass parameters of the module being sharded "
-                         "(e.g. {module.bias}); a parameter replaced since it was collected is no longer the module's.")
 
 
 def _paths(module: nn.Module) -> dict[int, str]:

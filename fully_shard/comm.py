@@ -240,6 +240,7 @@ def all_gather(shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks
     return CollectiveWork(work, inp, out, ranks.size, what, event)
 
 
+@torch.no_grad()
 def copy_out(work: CollectiveWork, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
     """Wait for an all-gather, then copy its flat output into each parameter's unsharded buffer.
 

@@ -99,7 +99,7 @@ class ParamGroup:
         if self.state in (GroupState.SHARDED, GroupState.POST_FORWARD):
             streams = self._streams()
             streams.release_all_gather()  # the copy-in stream may now reuse the last output
-            with streams.use("copy_in"):  # pack, then issue from there: the collective waits for it
+            with streams.use("copy_in"), torch.no_grad():  # pack, then issue from there: the collective waits for it
                 self._all_gathers = self._issue_all_gathers()
             self._move_to(GroupState.UNSHARDING)
         if not async_op:

@@ -80,6 +80,32 @@ class ThreadedFullyShardTest(MultiThreadedTestCase):
     def test_nested_backward_after_forward(self) -> None:
         self._check(nested=True, reshard_between=False)
 
+    # torch's TestFullyShardUnshardMultiThread, on this process group as there
+
+    def test_unshard_no_param_group(self) -> None:
+        """unshard() of a module whose call manages no parameters (each Linear's call took them): nothing to gather."""
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        for lin in model:
+            fully_shard(lin, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        handle = model.unshard(async_op=True)
+        self.assertIsNotNone(handle)
+        handle.wait()
+        for p in model.parameters():
+            self.assertIsInstance(p, DTensor)  # the Linears' groups were not asked
+
+    def test_unshard_without_lazy_init(self) -> None:
+        """unshard() before any forward (no root known yet) gathers the parameters as they were."""
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = _mlp()
+        ref = copy.deepcopy(model)
+        fully_shard(model, mesh=mesh)
+        model.unshard()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            self.assertNotIsInstance(p, DTensor)
+            self.assertTrue(torch.equal(p, q))
+
 
 if __name__ == "__main__":
     run_tests()
