@@ -61,8 +61,7 @@ class ParamGroup:
         self.label = label  # the module(s) of the fully_shard call, for messages and traces
         self.post_forward: dict[int, comm.Ranks] = {}  # while POST_FORWARD: per mesh (id), the k ranks holding slices
         self.state = GroupState.SHARDED
-        self._gather_buckets = _buckets([p for p in params if not p.extension], lambda p: p.unsharded_dtype)
-        self._ext = _buckets([p for p in params if p.extension], lambda p: torch.uint8)  # subclasses gathering themselves
+        self._split_buckets()  # _gather_buckets by unsharded dtype and mesh; _ext by mesh: local tensors gathering themselves
         self._ext_slots: list[list[int]] = []  # their inputs' per-rank slots, in bytes, per bucket
         self._all_gathers: list[comm.CollectiveWork] = []  # in flight while UNSHARDING
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
@@ -83,6 +82,10 @@ class ParamGroup:
         self.all_reduce_hook_stream: Any = None  # the user's stream to run it on (a torch.Stream)
         self.needs_post_backward = False  # set by pre-forward under grad mode; cleared once post-backward has run
         self.reduce_at_end = False  # skipped on some rank (reduce_scatter_unused_params): reduced in finalize_backward
+
+    def _split_buckets(self) -> None:
+        self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
+        self._ext = _buckets([p for p in self.params if p.extension], lambda p: torch.uint8)
 
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
         self.state = state if reset else next_state(self.label, self.state, state)
@@ -112,6 +115,9 @@ class ParamGroup:
         def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, ranks: comm.Ranks) -> comm.CollectiveWork:
             return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label, self.all_gather_comm)
 
+        # which parameters gather themselves is looked up afresh (hooks patched on later); not for kept slices
+        if not self.post_forward and any([p.refresh_extension() for p in self.params]):
+            self._split_buckets()
         works = []
         for b in self._gather_buckets:
             pf = self.post_forward.get(id(b[0].mesh_info))
@@ -209,7 +215,7 @@ class ParamGroup:
         """Follow dtype changes made by ``Module._apply`` (``model.double()``)."""
         for p in self.params:
             p.refresh_after_apply()
-        self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
+        self._split_buckets()
 
     def has_unsharded_grads(self) -> bool:
         """Whether a backward left gradients on the full parameters that no reduction took."""

@@ -105,6 +105,38 @@ class ThreadedFullyShardTest(MultiThreadedTestCase):
         for p, q in zip(model.parameters(), ref.parameters()):
             self.assertNotIsInstance(p, DTensor)
             self.assertTrue(torch.equal(p, q))
+    def test_hooks_patched_onto_local_tensors_on_hsdp(self) -> None:
+        """torch's test_all_gather_extension_hsdp_mesh (a threaded test there too), then backward: TwoTensor weights
+        on a (2, 2) mesh, hooks patched onto each local tensor after fully_shard; they get the shard mesh only."""
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        from tests.test_subclass_params import _MLP, _SEEN, _self_post, _self_pre
+
+        mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+        g = torch.Generator().manual_seed(0)
+        ref = nn.Sequential(*[_MLP() for _ in range(2)])
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        model = copy.deepcopy(ref)
+        for lin in (m for mlp in model for m in (mlp.in_proj, mlp.out_proj)):
+            lin.weight = nn.Parameter(TwoTensor(lin.weight.detach(), lin.weight.detach().clone()))
+        for mlp in model:
+            fully_shard(mlp, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for p in model.parameters():
+            local = p._local_tensor
+            local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _self_pre.__get__(local), _self_post.__get__(local)
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(self.rank))
+        out, ref_out = model(x), ref(x)
+        self.assertTrue(torch.equal(out, ref_out))  # the same weights, gathered exactly
+        self.assertIn(tuple(mesh["shard"].mesh.tolist()), _SEEN["meshes"])  # 1-D: this rank's shard group
+        out.sum().backward()
+        ref_out.sum().backward()
+        average_gradients(ref)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            self.assertIs(type(p._local_tensor), TwoTensor)
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-6)
 
 
 if __name__ == "__main__":
