@@ -53,6 +53,22 @@ def test_backend_for_world_and_devices() -> None:
         harness.backend_for("cuda", 1, 0)
 
 
+def test_a_missing_torch_feature_skips_naming_it_and_the_torch_that_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from tests import torch_features
+
+    monkeypatch.setattr(dist, "all_gather_single", lambda *a, **k: None, raising=False)
+    assert torch_features.missing_torch_features("dist.all_gather_single") is None
+    assert torch_features.requires_torch_feature("dist.all_gather_single").args == (False,)
+    monkeypatch.delattr(dist, "all_gather_single")  # as in torch 2.11
+    reason = torch_features.missing_torch_features("dist.all_gather_single")
+    assert reason == f"torch {torch.__version__} lacks dist.all_gather_single (torch 2.13 has it): this test compares against it"
+    assert torch_features.requires_torch_feature("dist.all_gather_single").kwargs["reason"] == reason
+    with pytest.raises(pytest.skip.Exception, match="lacks dist.all_gather_single"):
+        torch_features.skip_without_torch_feature("dist.all_gather_single")
+
+
 def test_trace_analysis_finds_streams_and_overlap() -> None:
     """The device-kernel path of the analysis, on a synthetic trace (times in us)."""
     from benchmarks.gpu_check import analyse_trace, render
