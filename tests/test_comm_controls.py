@@ -3,7 +3,8 @@
 - ``set_allocate_memory_from_process_group_for_comm``: buffers from the process group's
   allocator (gloo has none, so a patched gloo backend that claims one proves the path is taken),
   training bitwise equal to torch's FSDP2 with the same setting and to ours without it;
-- ``set_symm_mem_for_comm``: refused at the call where the process group cannot (gloo, CPU);
+- ``set_symm_mem_for_comm``: refused at the call where the process group cannot (gloo, CPU), decided
+  by the group's backend for the module's device (gloo carrying accelerator tensors is refused too);
   which buffers it would take where it can (the NCCL path itself needs GPUs: untested here);
 - ``set_all_reduce_hook(hook, stream=s)``: the hook runs on ``s``, after the reduction, and
   the consumer waits for ``s`` (a recording stream double, as in test_streams.py);
@@ -155,6 +156,38 @@ def test_symm_mem_refused_at_the_call_on_gloo() -> None:
     message = run_distributed(_symm_mem_on_gloo, 2)[0]
     assert message.startswith("FSDPLinear.set_symm_mem_for_comm('NCCL'): symmetric memory needs a NCCL process group"), message
     assert "this module has no accelerator on cpu" in message and "not the results" in message, message
+
+
+def _symm_mem_decides_by_the_backend(name: str | None) -> str:
+    """set_symm_mem_for_comm on a device taken for an accelerator (patched), the group's backend for it named ``name``
+    (None: the group's own, gloo): accepted only where that backend is the one asked for."""
+    import fully_shard.api as api
+
+    model = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    group = fully_shard.state(model).group  # type: ignore[attr-defined]
+    pg = group.mesh_info.shard.group
+    backend = pg._get_backend(group.device)
+    saved = (api.has_streams, comm.symm_mem.set_backend, type(backend).name)
+    api.has_streams = lambda device: True  # type: ignore[assignment]
+    comm.symm_mem.set_backend = lambda name: None  # type: ignore[assignment]
+    if name is not None:
+        type(backend).name = lambda self: name  # type: ignore[method-assign]
+    try:
+        model.set_symm_mem_for_comm()
+        return "no error"
+    except NotImplementedError as e:
+        return str(e)
+    finally:
+        api.has_streams, comm.symm_mem.set_backend, type(backend).name = saved  # type: ignore[assignment, method-assign]
+
+
+def test_symm_mem_decides_by_the_groups_backend_for_the_device() -> None:
+    """gloo carrying an accelerator's tensors is refused, naming it; a group whose backend for the device is NCCL is
+    accepted (the first GPU run: a world of one, NCCL, accepted where the test expected gloo's refusal)."""
+    gloo = run_distributed(_symm_mem_decides_by_the_backend, 1, None)[0]
+    assert "symmetric memory needs a NCCL process group on an accelerator, but this module has gloo on cpu" in gloo, gloo
+    assert run_distributed(_symm_mem_decides_by_the_backend, 1, "nccl")[0] == "no error"
+    assert "this module has mpi on cpu" in run_distributed(_symm_mem_decides_by_the_backend, 1, "mpi")[0]
 
 
 def _symm_mem_choices(force_sum: bool) -> dict[str, Any]:

@@ -226,12 +226,16 @@ def test_comm_controls_match_torch_fsdp2(case: str) -> None:
 
 
 def _unsupported_calls() -> list[str]:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from fully_shard import fully_shard
 
-    model = fully_shard(nn.Linear(4, 4))
+    # a gloo group on the suite's device: on an accelerator it carries that device's tensors, and is still not NCCL
+    gloo = DeviceMesh.from_group(dist.new_group(backend="gloo"), device_type())
+    model = fully_shard(nn.Linear(4, 4), mesh=gloo)
     messages = []
     for call in (
-        lambda: model.set_symm_mem_for_comm(),  # gloo on the CPU (see test_comm_controls.py)
+        lambda: model.set_symm_mem_for_comm(),  # gloo (see test_comm_controls.py)
         lambda: model.set_reduce_scatter_max_input_buffers(0),
         lambda: model.set_custom_all_gather(object()),
     ):
@@ -246,6 +250,9 @@ def _unsupported_calls() -> list[str]:
 def test_unsupported_backend_features_raise_at_the_call() -> None:
     symm, buffers, comm = run_distributed(_unsupported_calls, 1)[0]
     assert "symmetric memory needs a NCCL process group" in symm and "not the results" in symm
+    # the backend that carries the module's tensors is named: gloo on an accelerator too (the first GPU run's world of
+    # one used NCCL, on which set_symm_mem_for_comm is rightly accepted; this group is gloo on purpose)
+    assert ("this module has gloo on cuda" if device_type() == "cuda" else "this module has no accelerator on cpu") in symm, symm
     assert "positive int" in buffers
     assert "allocate" in comm
 
