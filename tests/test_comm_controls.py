@@ -158,36 +158,46 @@ def test_symm_mem_refused_at_the_call_on_gloo() -> None:
     assert "this module has no accelerator on cpu" in message and "not the results" in message, message
 
 
-def _symm_mem_decides_by_the_backend(name: str | None) -> str:
-    """set_symm_mem_for_comm on a device taken for an accelerator (patched), the group's backend for it named ``name``
-    (None: the group's own, gloo): accepted only where that backend is the one asked for."""
+def _as_an_accelerator_with_backend(name: str | None) -> dict[str, Any]:
+    """fully_shard, then set_symm_mem_for_comm, on a device taken for an accelerator (patched), the group's backend for
+    it named ``name`` (None: the group's own, gloo): the warnings fully_shard gave, and the call's error or "no error"."""
+    import warnings
+
     import fully_shard.api as api
 
-    model = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
-    group = fully_shard.state(model).group  # type: ignore[attr-defined]
-    pg = group.mesh_info.shard.group
-    backend = pg._get_backend(group.device)
-    saved = (api.has_streams, comm.symm_mem.set_backend, type(backend).name)
+    backend_type = type(dist.group.WORLD._get_backend(torch.device("cpu")))
+    saved = (api.has_streams, comm.symm_mem.set_backend, backend_type.name)
     api.has_streams = lambda device: True  # type: ignore[assignment]
     comm.symm_mem.set_backend = lambda name: None  # type: ignore[assignment]
     if name is not None:
-        type(backend).name = lambda self: name  # type: ignore[method-assign]
+        backend_type.name = lambda self: name  # type: ignore[method-assign]
     try:
-        model.set_symm_mem_for_comm()
-        return "no error"
-    except NotImplementedError as e:
-        return str(e)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        out = {"warned": [str(w.message) for w in caught if "fully_shard:" in str(w.message)], "symm": "no error"}
+        try:
+            model.set_symm_mem_for_comm()
+        except NotImplementedError as e:
+            out["symm"] = str(e)
+        return out
     finally:
-        api.has_streams, comm.symm_mem.set_backend, type(backend).name = saved  # type: ignore[assignment, method-assign]
+        api.has_streams, comm.symm_mem.set_backend, backend_type.name = saved  # type: ignore[assignment, method-assign]
 
 
-def test_symm_mem_decides_by_the_groups_backend_for_the_device() -> None:
-    """gloo carrying an accelerator's tensors is refused, naming it; a group whose backend for the device is NCCL is
-    accepted (the first GPU run: a world of one, NCCL, accepted where the test expected gloo's refusal)."""
-    gloo = run_distributed(_symm_mem_decides_by_the_backend, 1, None)[0]
-    assert "symmetric memory needs a NCCL process group on an accelerator, but this module has gloo on cpu" in gloo, gloo
-    assert run_distributed(_symm_mem_decides_by_the_backend, 1, "nccl")[0] == "no error"
-    assert "this module has mpi on cpu" in run_distributed(_symm_mem_decides_by_the_backend, 1, "mpi")[0]
+def test_gloo_carrying_accelerator_tensors_is_named_at_the_call() -> None:
+    """Decided by the group's backend for the module's device: gloo carrying an accelerator's tensors gets a warning
+    at fully_shard (DTensor's all-gather would kill it: pytorch/pytorch#152645) and set_symm_mem_for_comm refused,
+    naming gloo; a group whose backend for the device is NCCL neither (the first GPU run's world of one was NCCL, and
+    rightly accepted where the test expected gloo's refusal)."""
+    gloo = run_distributed(_as_an_accelerator_with_backend, 1, None)[0]
+    assert "symmetric memory needs a NCCL process group on an accelerator, but this module has gloo on cpu" in gloo["symm"], gloo
+    (warning,) = gloo["warned"]
+    assert "carries cpu tensors over gloo" in warning and "SIGSEGV" in warning and "pytorch/pytorch#152645" in warning, warning
+    assert "one rank per device" in warning, warning
+    assert run_distributed(_as_an_accelerator_with_backend, 1, "nccl")[0] == {"warned": [], "symm": "no error"}
+    mpi = run_distributed(_as_an_accelerator_with_backend, 1, "mpi")[0]
+    assert mpi["warned"] == [] and "this module has mpi on cpu" in mpi["symm"], mpi
 
 
 def _symm_mem_choices(force_sum: bool) -> dict[str, Any]:
