@@ -200,6 +200,28 @@ def test_gloo_carrying_accelerator_tensors_is_named_at_the_call() -> None:
     assert mpi["warned"] == [] and "this module has mpi on cpu" in mpi["symm"], mpi
 
 
+def _symm_mem_without_the_pool() -> str:
+    """set_symm_mem_for_comm where the group qualifies but torch lacks symmetric memory's pool (patched away)."""
+    import fully_shard.api as api
+
+    saved = (api.has_streams, comm.symm_mem.get_mem_pool)
+    api.has_streams = lambda device: True  # type: ignore[assignment]
+    del comm.symm_mem.get_mem_pool
+    try:
+        model = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        model.set_symm_mem_for_comm("gloo")  # type: ignore[arg-type]  # the group's own backend: past that check
+        return "no error"
+    except NotImplementedError as e:
+        return str(e)
+    finally:
+        api.has_streams, comm.symm_mem.get_mem_pool = saved  # type: ignore[assignment]
+
+
+def test_symm_mem_without_torchs_pool_is_refused_at_the_call() -> None:
+    message = run_distributed(_symm_mem_without_the_pool, 1)[0]
+    assert "need torch.distributed._symmetric_memory.get_mem_pool, which torch" in message and "upgrade torch" in message, message
+
+
 def _symm_mem_choices(force_sum: bool) -> dict[str, Any]:
     """Which buffers set_symm_mem_for_comm gives a module, past the capability check (patched:
     any device has streams, the group's own backend is named, ``set_backend`` records)."""
