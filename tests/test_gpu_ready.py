@@ -54,13 +54,16 @@ def test_backend_for_world_and_devices() -> None:
 
 
 def _full_tensor_with_gloo_refusing() -> list[float]:
-    """What a rank sharing a device over gloo does (the CPU's kernel stands in for the accelerator's)."""
+    """What a rank sharing a device over gloo does (the CPU's kernel stands in for the accelerator's; CPU tensors on a
+    CPU mesh, over gloo under the switch too)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = harness.mesh(dist.get_world_size())
-    sharded = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
-    dist.all_gather_into_tensor(out := torch.empty(4), torch.full((2,), float(dist.get_rank())))  # c10d: untouched
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sharded = distribute_tensor(torch.arange(4.0, device="cpu"), mesh, [Shard(0)])
+    out = torch.empty(4, device="cpu")
+    dist.all_gather_into_tensor(out, torch.full((2,), float(dist.get_rank()), device="cpu"))  # c10d: untouched
     assert out.tolist() == [0.0, 0.0, 1.0, 1.0], out
     harness._REFUSALS.append(harness.refuse_gloo_functional_all_gather("cpu"))  # the pool is discarded after the call
     return sharded.full_tensor().tolist()  # DTensor's all-gather: refused, instead of gloo's SIGSEGV on a GPU
