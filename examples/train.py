@@ -6,7 +6,9 @@
         --rdzv-endpoint=HOST:29500 examples/train.py --config my_job.toml
 
 Run directly it starts its own workers; under torchrun it uses torchrun's world. A TOML
-job config (``--config``) sets any flag; flags on the command line override it.
+job config (``--config``) sets any flag; flags on the command line override it. ``--device
+auto`` (the default) trains on the accelerator when it has a device for each local process,
+else on the CPU with a one-line note; ``--device cuda`` insists (an error when too few).
 
 Data: a byte-level BPE tokenizer trained at start-up on the corpus with ``tokenizers``
 (the Python standard library's sources by default, or ``--data FILE``: nothing is
@@ -27,7 +29,7 @@ EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, EXAMPLES)
 from common import (  # the helpers the examples share (examples/ is on sys.path just above)
     Metrics, Progress, StatefulBatchSampler, WindowDataset, eval_loss, flops_per_token, fmt_bytes,
-    launch_script, leave_worker, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops, positive_int,
+    choose_device, launch_script, leave_worker, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops, positive_int,
     save_loss_curve, start_profiler, tokenize, training_state_bytes,
 )
 
@@ -40,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.add_argument
     a("--config", metavar="TOML", help="job config: any flag below as a key (tables only group keys)")
     a("--nproc", type=positive_int, default=2, help="processes to start here (ignored under torchrun)")
+    a("--device", default="auto", help="auto: the accelerator when it has a device for each process here, else the CPU "
+      "(with a note); cpu; or the accelerator's type (cuda), refused when it has too few devices")
     a("--steps", type=positive_int, default=120, help="optimizer steps in all (a resumed run too)")
     a("--batch-size", type=positive_int, default=8, help="sequences per rank per micro-batch")
     a("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
@@ -122,7 +126,7 @@ def run(args: argparse.Namespace) -> None:
     from fully_shard.optim import local_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cpu") if args.device == "cpu" else torch.device(args.device, int(os.environ["LOCAL_RANK"]))
     mesh = (init_device_mesh(device.type, (world,)) if args.hsdp is None
             else init_device_mesh(device.type, (args.hsdp, world // args.hsdp)))
     out = Progress(enabled=rank == 0, want_bar=not args.no_progress)
@@ -275,16 +279,33 @@ def run(args: argparse.Namespace) -> None:
         log(save_loss_curve(args.plot, losses, evals, start, title))
 
 
+def resolve_device(args: argparse.Namespace, local_procs: int) -> None:
+    """``args.device`` becomes the device type to train on (see common.choose_device); its note is printed once."""
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    count = torch.accelerator.device_count() if accelerator is not None else 0
+    try:
+        args.device, note = choose_device(args.device, accelerator and accelerator.type, count, local_procs)
+    except ValueError as e:  # as a bad flag: status 2, before any worker starts (from the launcher)
+        print(f"examples/train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if note is not None and os.environ.get("RANK", "0") == "0":
+        print(note, flush=True)
+
+
 def main() -> int:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
+    if "LOCAL_RANK" not in os.environ:  # the launcher decides once; its workers get the device type it chose
+        resolve_device(args, args.nproc)
         return launch_script(os.path.abspath(__file__), args.nproc, worker_argv(args))
     import torch
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    resolve_device(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # under torchrun: each process, the same answer
+    if args.device != "cpu":
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("gloo" if args.device == "cpu" else dist.get_default_backend_for_device(args.device))
     try:
         run(args)
         dist.barrier()  # rank 0 may still be writing the plot

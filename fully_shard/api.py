@@ -149,6 +149,7 @@ def fully_shard(
     check_options(mp_policy, offload_policy, reshard_after_forward)
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
     device = mesh_info.device
+    _warn_gloo_on_accelerator(mesh_info.shard.group, device)
     ignored = set(ignored_params or ())
     label = ", ".join(type(m).__name__ for m in modules)
     if odd := [x for x in ignored if not isinstance(x, torch.Tensor)]:
@@ -610,7 +611,7 @@ class FSDPModule:
         """
         for group in self._groups(recurse=False):
             pg, device = group.mesh_info.shard.group, group.device
-            found = pg._get_backend(device).name() if has_streams(device) else "no accelerator"
+            found = _backend_name(pg, device)
             if found.lower() != backend.lower():
                 raise NotImplementedError(f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory needs a "
                                           f"{backend} process group on an accelerator, but this module has {found} on {device}. It "
@@ -620,6 +621,28 @@ class FSDPModule:
             group.all_gather_comm = PoolComm(pg, backend)
             if group.force_sum_reduction:  # symmetric reduce-scatters only sum (NCCL 2.29), as in torch
                 group.reduce_scatter_comm = PoolComm(group.reduce_scatter_groups.get(id(group.mesh_info), pg), backend)
+
+
+def _backend_name(pg: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend ``pg`` runs ``device``'s tensors with (gloo for a gloo group carrying accelerator tensors), or
+    "no accelerator" for a device without streams."""
+    return pg._get_backend(device).name() if has_streams(device) else "no accelerator"
+
+
+def _warn_gloo_on_accelerator(pg: dist.ProcessGroup, device: torch.device) -> None:
+    """Said at the call, because the crash it foretells leaves no traceback: fully_shard's collectives run on gloo with
+    accelerator tensors (gloo copies through the host), torch's functional all-gather does not (pytorch/pytorch#152645:
+    no accelerator path in gloo's allgather_into_tensor_coalesced; SIGSEGV on every rank in the first GPU run)."""
+    try:
+        if _backend_name(pg, device) != "gloo":
+            return
+    except RuntimeError:  # no backend registered for this device (a fake group, as the planner's)
+        return
+    warnings.warn(f"fully_shard: the mesh's process group carries {device} tensors over gloo. fully_shard trains there "
+                  "(gloo copies them through the host, slowly), but DTensor.full_tensor(), redistribute(...Replicate()) "
+                  "and full state dicts of these parameters kill the process with SIGSEGV and no traceback (torch's gloo, "
+                  "pytorch/pytorch#152645). Use NCCL with one rank per device: init_process_group('nccl'), and torchrun "
+                  "--nproc-per-node at most the device count.", stacklevel=3)
 
 
 def _check_own_comms(module: FSDPModule, method: str, group: ParamGroup, symmetric: bool) -> None:

@@ -238,8 +238,13 @@ def test_mixed_original_dtypes_in_one_group() -> None:
 
 
 def _offload(pin_memory: bool, meta_init: bool = False) -> None:
+    with torch.device("cpu"):  # a CPU mesh on any machine: the model, the batches and the optimizer state there
+        _offload_on_cpu(pin_memory, meta_init)
+
+
+def _offload_on_cpu(pin_memory: bool, meta_init: bool) -> None:
     ws, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh(device_type(), (ws,))
+    mesh = init_device_mesh("cpu", (ws,))
     ref = Transformer()
     if meta_init:  # torch's recipe for offload: shard on meta, materialise on the CPU, then load
         with torch.device("meta"):
@@ -258,7 +263,7 @@ def _offload(pin_memory: bool, meta_init: bool = False) -> None:
         lambda m, args: compute_devices.append(m.attention.wq.weight.device.type)
     )
     for step in range(3):
-        x = batch(step, rank)
+        x = batch(step, rank).cpu()
         loss_fn(offloaded(x), x).backward()
         opt.step()
         for q in offloaded.parameters():  # sharded params, grads and optimizer state on the host
