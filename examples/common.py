@@ -361,13 +361,13 @@ class Metrics:
             self.tb.close()
 
 
-def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's parameters, gradients and optimizer state: the storages its
-    local tensors (a DTensor's local shard) live in, each storage once."""
+def training_state_bytes(model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state (of one optimizer, or one per
+    parameter): the storages its local tensors (a DTensor's local shard) live in, each storage once."""
     seen: set[int] = set()
     total = 0
     tensors = [*model.parameters(), *(p.grad for p in model.parameters())]
-    tensors += [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+    tensors += [v for o in optimizers for s in o.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
     for t in tensors:
         if t is None:
             continue

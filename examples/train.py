@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--lr", type=non_negative_float, default=3e-3, help="peak learning rate")
     a("--optimizer", choices=("adamw", "muon"), default="adamw", help="muon: fully_shard.optim.MuonAdamW, Muon on "
       "the block matrices and AdamW on the rest, both at --lr (Muon's update scaled to AdamW's RMS)")
+    a("--optimizer-in-backward", action="store_true", help="AdamW per parameter, stepped inside backward as each "
+      "gradient is reduced, which it then frees (fully_shard.optim.in_backward): no step holds every gradient. The same "
+      "losses; needs --max-norm 0 (clipping needs every gradient first)")
     a("--warmup", type=int, default=10, help="linear warmup steps, then cosine decay to lr/10")
     a("--max-norm", type=non_negative_float, default=1.0, help="clip the gradient norm (0: off)")
     a("--seed", type=int, default=0, help="seeds the model init and the data order")
@@ -91,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--data {args.data!r} is not a file")
     world, where = ((int(os.environ["WORLD_SIZE"]), "the world size") if "WORLD_SIZE" in os.environ
                     else (args.nproc, "--nproc"))
+    if args.optimizer_in_backward and (args.max_norm > 0 or args.optimizer != "adamw"):
+        p.error("--optimizer-in-backward steps each parameter as soon as its gradient is reduced, before the others exist: "
+                "pass --max-norm 0 (clipping needs the norm of every gradient) and --optimizer adamw (Muon's matrices "
+                f"are orthogonalized together); got --max-norm {args.max_norm} --optimizer {args.optimizer}")
     if args.hsdp is not None and world % args.hsdp:
         p.error(f"--hsdp {args.hsdp} must divide {where} ({world})")
     for flag in ("ckpt_every", "ckpt_keep", "ckpt_async", "resume"):
@@ -123,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
 
     from fully_shard import MixedPrecisionPolicy, fully_shard
     from fully_shard.ckpt import CheckpointManager
-    from fully_shard.optim import local_step
+    from fully_shard.optim import in_backward, local_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu") if args.device == "cpu" else torch.device(args.device, int(os.environ["LOCAL_RANK"]))
@@ -154,16 +161,20 @@ def run(args: argparse.Namespace) -> None:
             block.compile()  # in place: parameter names and state-dict keys unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
+    adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     if args.optimizer == "muon":  # each block matrix orthogonalized once, on its owner rank
         from fully_shard.optim import MuonAdamW, muon_param_groups
 
-        optimizer = MuonAdamW(muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
-                              adamw_lr=args.lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)
+        optimizers: list[torch.optim.Optimizer] = [MuonAdamW(
+            muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", adamw_lr=args.lr,
+            adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)]
+    elif args.optimizer_in_backward:  # one AdamW per parameter, stepped by the parameter's hook once its gradient lands
+        optimizers = list(in_backward(model, lambda ps, **kw: local_step(torch.optim.AdamW(ps, **kw)), **adamw).values())
     else:  # local_step: AdamW steps on the local shards as plain tensors (bitwise the same, state stays DTensor)
-        optimizer = local_step(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
+        optimizers = [local_step(torch.optim.AdamW(model.parameters(), **adamw))]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(args.warmup, args.steps)) for o in optimizers]
     log(f"fully_shard on {world} ranks ({dist.get_backend()}, {device.type}) | {n_params:,} parameters, "
-        f"optimizer {type(optimizer).__name__}, "
+        f"optimizer {type(optimizers[0]).__name__}" + (" in backward" if args.optimizer_in_backward else "") + ", "
         f"{args.n_layers} blocks, dim {args.dim} | mesh {tuple(mesh.shape)} | data: {len(tokens):,} tokens "
         f"({args.tokenizer}, vocabulary {vocab}), {len(train_set):,} train / {len(eval_set):,} eval windows")
     if out.note:
@@ -176,9 +187,9 @@ def run(args: argparse.Namespace) -> None:
     evals: list[tuple[int, float]] = []
 
     def state(step: int) -> dict[str, object]:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizers)
         flags = {k: getattr(args, k) for k in MODEL_FLAGS}
-        return {"model": model_sd, "optim": optim_sd, "sched": scheduler.state_dict(), "data": sampler.state_dict(),
+        return {"model": model_sd, "optim": optim_sd, "sched": schedulers[0].state_dict(), "data": sampler.state_dict(),
                 "train": {"step": step, "losses": list(losses), "evals": [list(e) for e in evals], "flags": flags,
                           "world_size": world}, f"rng_rank{rank}": torch.get_rng_state()}
 
@@ -200,8 +211,9 @@ def run(args: argparse.Namespace) -> None:
             log(f"note: saved on {saved['world_size']} ranks, resumed on {world}: weights, optimizer and schedule "
                 "continue, but the data order and RNG differ from the uninterrupted run")
         manager.load_latest(template)
-        set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"])
-        scheduler.load_state_dict(template["sched"])  # type: ignore[arg-type]
+        set_state_dict(model, optimizers, model_state_dict=template["model"], optim_state_dict=template["optim"])
+        for scheduler in schedulers:
+            scheduler.load_state_dict(template["sched"])  # type: ignore[arg-type]
         sampler.load_state_dict(template["data"])  # type: ignore[arg-type]
         if f"rng_rank{rank}" in template:
             torch.set_rng_state(template[f"rng_rank{rank}"])  # type: ignore[arg-type]
@@ -226,15 +238,18 @@ def run(args: argparse.Namespace) -> None:
             model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # reduce-scatter once per step
             x, y = (t.to(device) for t in next(batches))
             loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / args.grad_accum
-            loss.backward()
+            loss.backward()  # --optimizer-in-backward: the synced one steps every parameter
             total += loss.detach()
         if args.max_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        optimizer.step()
-        mem = max(mem, training_state_bytes(model, optimizer))
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
+        if not args.optimizer_in_backward:
+            optimizers[0].step()
+        mem = max(mem, training_state_bytes(model, *optimizers))
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        lr = schedulers[0].get_last_lr()[0]
+        for scheduler in schedulers:
+            scheduler.step()
         dist.all_reduce(total)  # mean over ranks; .item() also syncs the device
         losses.append(total.item() / world)
         dt = time.perf_counter() - t0

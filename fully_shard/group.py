@@ -331,3 +331,7 @@ class PendingReduce:
     reductions: list[tuple[comm.ReduceScatterWork, list[ShardedParam]]]
     all_reduce: bool  # HSDP: whether to all-reduce across replicas when it lands (requires_all_reduce)
     held: list[torch.Tensor]  # the unsharded gradients, read on the reduce-scatter stream
+
+    def runs_hooks(self) -> bool:
+        """Whether finishing it runs post-accumulate-grad hooks (an optimizer stepping in backward)."""
+        return any(p.sharded_param._post_accumulate_grad_hooks for _, params in self.reductions for p in params)

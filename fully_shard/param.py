@@ -488,7 +488,10 @@ class ShardedParam:
 
 
 def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> bool:
-    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set it.
+    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set it,
+    then run the sharded parameter's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: autograd never
+    reaches the sharded parameter, so this is where its gradient is accumulated). As in torch's FSDP2, each parameter's
+    hooks run once its own gradient is in ``.grad``, before the next parameter's is.
 
     Offloaded gradients are cast where the part is (the device), then moved to the host: without blocking, into pinned
     memory, where the policy pins and nothing on the host reads them before the end of backward (no gradient to add to,
@@ -497,19 +500,30 @@ def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tenso
     pending_copy = False
     for p, part in zip(params, parts):
         local = part.view(p.local_shape).to(p.dtype)
-        grad = p.sharded_param.grad
+        param = p.sharded_param
+        grad, hooks = param.grad, param._post_accumulate_grad_hooks
         if p.offload:
-            non_blocking = p.pin_memory and grad is None and not p.sharded_param._post_accumulate_grad_hooks
+            non_blocking = p.pin_memory and grad is None and not hooks
             local = local.to(p.shard_device, non_blocking=non_blocking)
             pending_copy |= non_blocking
         if grad is None:
-            p.sharded_param.grad = p.to_sharded_dtensor(local)
+            param.grad = p.to_sharded_dtensor(local)
         else:
             adds[0].append(cast(DTensor, grad)._local_tensor)
             adds[1].append(local)
+        if hooks:
+            _add(adds)  # this gradient and the earlier ones in place first
+            for hook in hooks.values():
+                hook(param)
+    _add(adds)
+    return pending_copy
+
+
+def _add(adds: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
     if adds[0]:
         torch._foreach_add_(*adds)
-    return pending_copy
+        adds[0].clear()
+        adds[1].clear()
 
 
 def reduced_parts(params: list[ShardedParam], flat: torch.Tensor) -> list[torch.Tensor]:

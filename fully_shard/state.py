@@ -109,7 +109,9 @@ class RootContext:
                     # ran: a backward over part of the graph (a chunked loss) settles every group, then a later one reaches it
                     group.reduce_at_end = False
                     state.post_backward(self)
-            if self.is_last_backward:
+            # not the last backward (pipelining's microbatches): reductions may overlap the next forward, but not one
+            # whose hooks step an optimizer: torch's FSDP2 runs them within this backward, before that forward
+            if self.is_last_backward or any(p.runs_hooks() for p in self.pending):
                 with torch.no_grad():
                     self.finish_reduce()
             self.streams.wait_host()  # offloaded gradients in pinned memory: copied before the optimizer reads them

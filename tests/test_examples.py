@@ -84,6 +84,30 @@ def test_train_example_rejects_bad_flags() -> None:
     assert result.returncode == 2, result
     assert "--dim (30) must be divisible by --n-heads (4)" in result.stderr, result.stderr
     assert "fully_shard on" not in result.stdout  # no worker was started
+    result = _run(["--optimizer-in-backward"], timeout=60)  # --max-norm is 1.0 by default
+    assert result.returncode == 2 and "pass --max-norm 0 (clipping needs the norm of every gradient)" in result.stderr, result
+
+
+def test_optimizer_in_backward_trains_to_the_same_losses(tmp_path: object) -> None:
+    """--optimizer-in-backward (an AdamW per parameter, stepped from its post-accumulate-grad hook) against the usual
+    step, with gradient accumulation: the same losses to the last digit (AdamW is elementwise: the same arithmetic on
+    every element), and less held per rank (no step keeps every gradient)."""
+    flags = ["--nproc", "2", "--steps", "3", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
+             "--warmup", "1", "--grad-accum", "2", "--max-norm", "0", "--tokenizer", "bytes", "--exact-loss", "--log-every",
+             "1", "--eval-every", "0", "--no-plot", "--no-progress", "--metrics", os.path.join(str(tmp_path), "m.jsonl")]
+    runs = []
+    for extra in ([], ["--optimizer-in-backward"]):
+        result = _run(flags + extra, timeout=150)
+        log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        assert result.returncode == 0, log
+        losses = re.findall(r"^step\s+\d+/3 \| loss (\S+) ", result.stdout, re.M)
+        state = re.search(r"^summary: .* \| eval loss (\S+) .* per rank ([\d.,]+) (KiB|MiB)$", result.stdout, re.M)
+        assert len(losses) == 3 and state is not None, log
+        runs.append((losses, state.group(1), float(state.group(2).replace(",", "")) * {"KiB": 1, "MiB": 1024}[state.group(3)]))
+    assert "optimizer AdamW in backward, 2 blocks" in result.stdout, result.stdout
+    (losses, eval_loss, state), (losses_ib, eval_loss_ib, state_ib) = runs
+    assert losses_ib == losses and eval_loss_ib == eval_loss, runs
+    assert state_ib < state, runs  # parameters + optimizer state, without the gradients
 
 
 def test_device_choice_needs_a_device_per_process() -> None:

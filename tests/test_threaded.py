@@ -13,6 +13,7 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
@@ -137,6 +138,25 @@ class ThreadedFullyShardTest(MultiThreadedTestCase):
         for p, q in zip(model.parameters(), ref.parameters()):
             self.assertIs(type(p._local_tensor), TwoTensor)
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-6)
+
+    def test_post_accumulate_grad_hooks_run(self) -> None:
+        # torch's own test of these hooks runs on this process group: each sharded parameter's hook once per backward,
+        # in torch FSDP2's order, seeing the gradient torch's sees
+        mesh = init_device_mesh("cpu", (WORLD,))
+        seen: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, shard_fn in (("ours", fully_shard), ("torch", torch_fully_shard)):
+            model = _mlp()
+            for module in (model[0], model[2], model):
+                shard_fn(module, mesh=mesh)
+            log = seen[name] = []
+            for pname, p in model.named_parameters():
+                p.register_post_accumulate_grad_hook(lambda p, pname=pname, log=log: log.append((pname, p.grad.to_local().clone())))
+            model(torch.randn(2, 8, generator=torch.Generator().manual_seed(self.rank))).sum().backward()
+        # the input needs no gradient: model[0]'s group and the root's are reduced at the end of backward, root first
+        self.assertEqual([n for n, _ in seen["ours"]], ["2.weight", "2.bias", "4.weight", "4.bias", "0.weight", "0.bias"])
+        self.assertEqual([n for n, _ in seen["ours"]], [n for n, _ in seen["torch"]])
+        for (name, g), (_, tg) in zip(seen["ours"], seen["torch"]):
+            self.assertTrue(torch.equal(g, tg), name)  # the same reduce-scatter of the same gradients
 
 
 if __name__ == "__main__":
