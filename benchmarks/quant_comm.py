@@ -109,8 +109,9 @@ def bytes_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     groups = analytic.plan_groups(base, list(base.layers), reshard_blocks=True, reshard_root=False)
     bits = {"int8": 8, "int4": 4}
     out: dict[str, Any] = {}
-    for mode, (weights, grads) in MODES.items():
-        model, opt, _ = _build(_mesh(shape), weights, grads, "fp32")
+    for mp, mode in [("fp32", m) for m in MODES] + [("bf16", "exact"), ("bf16", "int8")]:
+        weights, grads = MODES[mode]
+        model, opt, _ = _build(_mesh(shape), weights, grads, mp)
         _step(model, opt, 0, rank)  # prefetch order known: the recorded step is a steady one
         x = tokens(1, rank, LlamaArgs(**MODEL), BATCH, SEQ)
         with CollectiveRecorder() as rec:
@@ -122,9 +123,10 @@ def bytes_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             for r in records:
                 kinds = counted.setdefault(phase, {})
                 kinds[r.kind] = kinds.get(r.kind, 0) + r.numel * torch.empty((), dtype=getattr(torch, r.dtype)).element_size()
+        dtypes = (torch.bfloat16, torch.float32) if mp == "bf16" else (None, None)
         expected = analytic.quantized_collective_bytes(
-            groups, shard, bits.get(weights or ""), bits.get(grads or ""), BLOCK, _is_exact, replicate=replicate)
-        out[mode] = {"counted": counted, "analytic": expected,
+            groups, shard, bits.get(weights or ""), bits.get(grads or ""), BLOCK, _is_exact, *dtypes, replicate=replicate)
+        out[f"{mp}-{mode}"] = {"counted": counted, "analytic": expected,
                      "total": sum(v for kinds in counted.values() for v in kinds.values()),
                      "analytic_total": sum(v for kinds in expected.values() for v in kinds.values())}
     return {"mesh": list(shape), "modes": out, "n_params": sum(p.numel() for p in base.parameters())}
@@ -281,15 +283,17 @@ def render(res: dict[str, Any]) -> list[str]:
                   f"One forward+backward of the main job's model ({res['bytes'][0]['n_params']:,} parameters; blocks "
                   "resharded after forward, the root not), collective input bytes per rank as the tests' recorder "
                   f"counts them, against the analytic count from the shapes (blocks of {BLOCK}, fp32 scales; "
-                  "embedding and norms exact).", "",
-                  "| mesh | collectives | recorded | analytic | of exact |", "| --- | --- | --- | --- | --- |"]
+                  "embedding and norms exact). bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.", "",
+                  "| mesh | params | collectives | recorded | analytic | of exact |", "| --- | --- | --- | --- | --- | --- |"]
+        labels = {"exact": "exact", "int8": "int8 weights, int8 grads", "int4": "int8 weights, int4 grads"}
         for entry in res["bytes"]:
             modes = entry["modes"]
-            for mode, m in modes.items():
-                label = {"exact": "exact (fp32)", "int8": "int8 weights, int8 grads", "int4": "int8 weights, int4 grads"}[mode]
+            for name, m in modes.items():
+                mp, mode = name.split("-")
                 same = "=" if m["total"] == m["analytic_total"] else "**differs**"
-                lines.append(f"| {' x '.join(map(str, entry['mesh']))} | {label} | {_mib(m['total'])} | {_mib(m['analytic_total'])} "
-                             f"({same}) | {m['total'] / modes['exact']['total']:.3f} |")
+                base = modes[f"{mp}-exact"]["total"]
+                lines.append(f"| {' x '.join(map(str, entry['mesh']))} | {mp} | {labels[mode]} | {_mib(m['total'])} | "
+                             f"{_mib(m['analytic_total'])} ({same}) | {m['total'] / base:.3f} |")
         lines.append("")
     if res.get("error"):
         lines += ["### Error per step against the exact collective", "",

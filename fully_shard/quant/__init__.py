@@ -7,14 +7,15 @@ they work on fully_shard and on torch's FSDP2 alike, and one function that sets 
 
     quantize_comms(model, weights="int8", grads="int8")  # after fully_shard; embeddings and norms stay exact
 
-Block-quantized (a fp32 scale per ``block_size`` values, round half to even: a rerun gives the same bits), with fp32
-accumulation of the gradients and no state kept between steps. See docs/quantized_comms.md.
+Block-quantized (an fp32 scale per ``block_size`` values, round half to even: a rerun gives the same bits), with
+fp32 accumulation of the gradients and no state kept between steps. The arithmetic and its error bounds are in
+``fully_shard.quant.blocks``. See docs/quantized_comms.md.
 """
 
-from .blocks import dequantize, quantize, reduce_bound, roundtrip_bound, two_level_bound
-from .comms import ErrorRecord, Layout, ModuleComms, QuantAllGather, QuantReduceScatter, default_skip, quantize_comms
+from .blocks import reduce_bound, roundtrip_bound
+from .comms import ErrorRecord, ModuleComms, QuantAllGather, QuantReduceScatter, default_skip, quantize_comms
 
 __all__ = [
-    "quantize_comms", "default_skip", "ModuleComms", "QuantAllGather", "QuantReduceScatter", "Layout", "ErrorRecord",
-    "quantize", "dequantize", "roundtrip_bound", "reduce_bound", "two_level_bound",
+    "quantize_comms", "default_skip", "ModuleComms", "QuantAllGather", "QuantReduceScatter", "ErrorRecord",
+    "roundtrip_bound", "reduce_bound",
 ]

@@ -67,7 +67,13 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
 
 
 def dequantize(wire: torch.Tensor, n: int, bits: int, block: int) -> torch.Tensor:
-    """Decode ``(rows, row_bytes(n))`` bytes back to ``(rows, n)`` fp32 values (scale times code, in fp32)."""
+    """Decode ``(rows, row_bytes(n))`` bytes back to ``(rows, n)`` fp32 values (scale times code, in fp32).
+
+    Example::
+
+        >>> dequantize(quantize(torch.tensor([[1.0, -0.5, 0.25]]), 8, 4), 3, 8, 4)
+        tensor([[ 1.0000, -0.5039,  0.2520]])
+    """
     rows, nb = wire.shape[0], math.ceil(n / block)
     rec = wire.view(rows, nb, record_bytes(bits, block))
     scale = as_dtype(rec[..., :4], torch.float32)  # (rows, nb, 1)
@@ -123,7 +129,13 @@ def reduce_bound(amax_sum: torch.Tensor, bits: int, dtype: torch.dtype, world: i
     Each rank's dequantized value is off by half a step of its own block (``amax_j / (2q)``), the fp32 sum of
     ``world`` terms adds ``world eps32`` of their magnitudes, the division one rounding, the cast to ``dtype``
     ``u (1 + 1/(2q))`` of the result. The error of an *unquantized* collective in ``dtype`` is of the order of
-    the last term, so comparing against one adds it once more (``exact_error``)."""
+    the last term, so comparing against one adds it once more (``exact_error``).
+
+    Example::
+
+        >>> reduce_bound(torch.tensor(2.0), 8, torch.float32, world=2, divisor=2)  # two ranks' amax summing to 2, AVG
+        tensor(0.0039)
+    """
     q = levels(bits)
     u, tiny = _rounding(dtype)
     rel = 1 / (2 * q) + (world + 3) * FP32_EPS + u * (1 + 1 / (2 * q))
