@@ -100,13 +100,18 @@ def plan_split_region() -> str:
             f"{split.peak_bytes / 2**30:.2f} GiB:")
 
 
-def _muon_results() -> tuple[str, dict]:
+def _newest(suffix: str, what: str) -> tuple[str, dict]:
+    """(file name, contents) of the newest ``benchmarks/results/*-<suffix>.json``."""
     results_dir = os.path.join(ROOT, "benchmarks", "results")
-    runs = sorted(glob.glob(os.path.join(results_dir, "*-muon.json")))
+    runs = sorted(glob.glob(os.path.join(results_dir, f"*-{suffix}.json")))
     if not runs:
-        raise SystemExit(f"gen_figures.py: no Muon results (*-muon.json) in {results_dir}")
+        raise SystemExit(f"gen_figures.py: no {what} results (*-{suffix}.json) in {results_dir}")
     with open(runs[-1]) as f:
         return os.path.basename(runs[-1]), json.load(f)
+
+
+def _muon_results() -> tuple[str, dict]:
+    return _newest("muon", "Muon")
 
 
 def _ms(seconds: float) -> str:
@@ -186,14 +191,9 @@ def overhead_region() -> str:
     """The overhead tables (issue 20), rendered from the newest ``*-overhead.json``."""
     from benchmarks.overhead import render
 
-    results_dir = os.path.join(ROOT, "benchmarks", "results")
-    runs = sorted(glob.glob(os.path.join(results_dir, "*-overhead.json")))
-    if not runs:
-        raise SystemExit(f"gen_figures.py: no overhead results (*-overhead.json) in {results_dir}")
-    with open(runs[-1]) as f:
-        results = json.load(f)
+    name, results = _newest("overhead", "overhead")
     env = results["environment"]
-    md = os.path.basename(runs[-1]).removesuffix(".json") + ".md"
+    md = name.removesuffix(".json") + ".md"
     head = (f"Latest: [{env['date']}](../benchmarks/results/{md}), commit {env['commit']}, `{env['command']}` (load "
             f"average {env['load_before']} before and {env['load_after']} after the run on {env['cores']} cores"
             + (": other jobs were running, times are noisy)." if float(env["load_before"]) > 0.5 else ")."))
@@ -218,13 +218,8 @@ def quant_comm_region() -> str:
     """The quantized collectives' tables (issue 32), rendered from the newest ``*-quant-comm.json``."""
     from benchmarks.quant_comm import render
 
-    results_dir = os.path.join(ROOT, "benchmarks", "results")
-    runs = sorted(glob.glob(os.path.join(results_dir, "*-quant-comm.json")))
-    if not runs:
-        raise SystemExit(f"gen_figures.py: no quantized-collective results (*-quant-comm.json) in {results_dir}")
-    with open(runs[-1]) as f:
-        results = json.load(f)
-    md = os.path.basename(runs[-1]).removesuffix(".json") + ".md"
+    name, results = _newest("quant-comm", "quantized-collective")
+    md = name.removesuffix(".json") + ".md"
     head = [f"Measured with `python3 -m benchmarks.quant_comm` ([{md}](../benchmarks/results/{md})), on "
             f"{next(iter(results['runs'].values()))['cores']} shared CPU cores:"]
     head += [f"{part} at commit {r['commit']} ({r['wall_s']:.0f} s, load average {r['load_before']} before, "

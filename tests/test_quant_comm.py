@@ -288,6 +288,55 @@ def test_reduce_dtype_and_divide_factor_keep_their_meaning() -> None:
     assert 0 < worst < 0.03, worst
 
 
+class _Net(nn.Module):
+    """A Linear, a LayerNorm (kept exact by default), a Linear; ``unused`` takes no part in forward when set."""
+
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 5)
+        self.unused = nn.Linear(6, 3) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)))
+
+
+def _frozen_and_unused(unused: bool) -> dict[str, Any]:
+    import warnings
+
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    base = _Net(unused)
+    base.a.weight.requires_grad_(False)  # frozen: in no reduce-scatter (a LoRA base weight)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    grads, caught = [], []
+    for quant in (False, True):
+        model = fully_shard(copy.deepcopy(base), mesh=mesh(2))
+        comms = quantize_comms(model, weights=None, block_size=4, measure=True) if quant else {}  # the same forward
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model(x).square().sum().backward()
+        caught += [str(w.message) for w in seen if "fully_shard.quant" in str(w.message)]
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None})
+    exact, quantized = grads
+    assert exact.keys() == quantized.keys() == {"a.bias", "norm.weight", "norm.bias", "b.weight", "b.bias"}
+    return {"warnings": caught, "report": str(comms[""]),
+            "norm_diff": max((exact[n] - quantized[n]).abs().max().item() for n in ("norm.weight", "norm.bias")),
+            "diff": max(((exact[n] - quantized[n]).abs().max() / exact[n].abs().max()).item() for n in exact),
+            "ratio": max(r.max_ratio for r in comms[""].reduce_scatter.errors or [])}
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["frozen", "frozen-and-unused"])
+def test_frozen_and_unused_parameters(unused: bool) -> None:
+    r = run_distributed(_frozen_and_unused, 2, unused)[0]
+    assert r["report"] == "grads int8 (exact: norm.weight, norm.bias)", r
+    assert 0 < r["ratio"] <= 1 and 0 < r["diff"] < 0.02, r
+    if not unused:  # the norm's gradients travel exactly: only the order of the fp32 sum may differ
+        assert not r["warnings"] and r["norm_diff"] < 1e-6, r
+    else:  # the reduce-scatter holds fewer parameters than the layout: all of it quantized, with a warning
+        assert len(r["warnings"]) == 1 and "do not split into its parameters" in r["warnings"][0], r
+
+
 # ---------------------------------------------------------------------------
 # Bytes on the wire
 # ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ collective's wait is a stream wait, and the dequantization is queued after it on
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,19 +71,23 @@ class Layout:
     padded: tuple[int, ...]  # each parameter's unsharded numel, padded to a multiple of the shard group size
     exact: tuple[bool, ...]
 
-    def indices(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions to quantize, positions sent exactly) within a buffer of ``n`` elements per rank."""
+    def indices(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions to quantize, positions sent exactly) within a buffer of ``n`` elements per rank; None if the
+        buffer does not split into the parameters (some got no gradient this step, or several dtype buckets)."""
         total = sum(self.padded)
         g = total // n if n else 0
         if not n or total % n or any(u % g for u in self.padded):
-            raise RuntimeError(
-                f"fully_shard.quant: a collective of {self.module!r} has {n} elements per rank, which does not split into "
-                f"its parameters ({', '.join(self.names)}: {total} padded elements in all). Keeping some parameters "
-                "unquantized needs one buffer holding all of them, one dtype and no tensor parallelism: pass a skip= "
-                "that keeps the whole module exact (or none of it), or shard the exact parameters in a fully_shard call "
-                "of their own.")
+            return None
         mask = torch.tensor(self.exact).repeat_interleave(torch.tensor(self.padded) // g)
         return mask.logical_not().nonzero().view(-1).to(device), mask.nonzero().view(-1).to(device)
+
+
+def _layout(module: str, params: list[tuple[str, DTensor, bool]]) -> Layout | None:
+    """The layout of ``params`` (name, parameter, kept exact), or None when none is kept exact."""
+    if not any(e for _, _, e in params):
+        return None
+    return Layout(module, tuple(n for n, _, _ in params), tuple(_padded_numel(n, module, p) for n, p, _ in params),
+                  tuple(e for _, _, e in params))
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ class _Quantized:
     def __init__(self, bits: int, block_size: int, layout: Layout | None, measure: bool) -> None:
         blocks.check_format(bits, block_size)
         self.bits, self.block_size, self.layout = bits, block_size, layout
-        self._indices: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._indices: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor] | None] = {}
         # measure=True: run the exact collective too and keep one record per call (benchmarks, tests; twice the bytes)
         self.errors: list[ErrorRecord] | None = [] if measure else None
 
@@ -137,7 +142,15 @@ class _Quantized:
             return None
         key = (n, device)
         if key not in self._indices:
-            self._indices[key] = self.layout.indices(n, device)
+            split = self.layout.indices(n, device)
+            if split is None:
+                warnings.warn(
+                    f"fully_shard.quant: a collective of {self.layout.module!r} has {n} elements per rank, which do not "
+                    f"split into its parameters ({', '.join(self.layout.names)}): some got no gradient this step, or the "
+                    "group gathers several dtypes. Such collectives quantize every element, the parameters kept exact "
+                    "included (within the same bound). Give unused parameters a gradient "
+                    "(set_reduce_scatter_unused_params) or keep the whole module exact (skip=) to avoid it.", stacklevel=2)
+            self._indices[key] = split
         return self._indices[key]
 
     def _encode(self, x: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -165,7 +178,7 @@ class _Quantized:
             >>> QuantAllGather(bits=8, block_size=256).wire_bytes(1000, torch.bfloat16)  # 4 blocks of 4 + 256 bytes
             1040
         """
-        split = None if self.layout is None else self.layout.indices(n, torch.device("cpu"))
+        split = self._split(n, torch.device("cpu"))
         nq, ne = (n, 0) if split is None else (split[0].numel(), split[1].numel())
         return blocks.row_bytes(nq, self.bits, self.block_size) + ne * dtype.itemsize
 
@@ -469,15 +482,16 @@ def quantize_comms(model: nn.Module, *, weights: str | None = "int8", grads: str
         if all(exact):
             report[prefix] = ModuleComms(None, None, kept)
             continue
-        layout = None
-        if kept:
-            if len({p.dtype for _, p, _ in params}) > 1:
-                raise ValueError(f"quantize_comms: {prefix or type(m).__name__!r} has parameters of several dtypes and some "
-                                 "kept exact: pass a skip= that keeps the whole module exact or quantizes all of it")
-            layout = Layout(prefix or type(m).__name__, tuple(n for n, _, _ in params),
-                            tuple(_padded_numel(n, prefix, p) for n, p, _ in params), tuple(exact))
-        ag = None if bits["weights"] is None else QuantAllGather(bits["weights"], block_size, layout, measure)
-        rs = None if bits["grads"] is None else QuantReduceScatter(bits["grads"], block_size, layout, replicate, measure)
+        label = prefix or type(m).__name__
+        if kept and len({p.dtype for _, p, _ in params}) > 1:
+            raise ValueError(f"quantize_comms: {label!r} has parameters of several dtypes and some kept exact: pass a "
+                             "skip= that keeps the whole module exact or quantizes all of it")
+        ag_params = [(n, p, e) for (n, p, _), e in zip(params, exact)]
+        rs_params = [(n, p, e) for n, p, e in ag_params if p.requires_grad]  # frozen ones are in no reduce-scatter
+        ag = None if bits["weights"] is None else QuantAllGather(bits["weights"], block_size, _layout(label, ag_params), measure)
+        rs = None
+        if bits["grads"] is not None and not all(e for _, _, e in rs_params):
+            rs = QuantReduceScatter(bits["grads"], block_size, _layout(label, rs_params), replicate, measure)
         if ag is not None:
             m.set_custom_all_gather(ag)
         if rs is not None:
