@@ -54,10 +54,10 @@ def _roundtrip_case(draw: Any) -> tuple[torch.Tensor, int, int]:
     x = torch.randn(rows, n, generator=g, dtype=torch.float64) * scale
     if draw(st.booleans()):
         x[:, : draw(st.integers(0, n))] = 0
-    return x.to(dtype), bits, block
+    return x.clamp(-info.max, info.max).to(dtype), bits, block  # finite inputs (non-finite ones: the test below)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)  # the same examples on every run
 @given(_roundtrip_case())
 def test_roundtrip_within_the_analytic_bound(case: tuple[torch.Tensor, int, int]) -> None:
     x, bits, block = case

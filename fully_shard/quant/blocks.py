@@ -82,7 +82,9 @@ def dequantize(wire: torch.Tensor, n: int, bits: int, block: int) -> torch.Tenso
         codes = torch.stack([payload & 15, payload >> 4], dim=3).view(rows, nb, block).to(torch.float32) - 8
     else:
         codes = payload.contiguous().view(torch.int8).to(torch.float32)
-    return (codes * scale).view(rows, nb * block)[:, :n]
+    # clamped: a code times its scale may round past the fp32 range when amax is within an ulp of it (NaN stays NaN)
+    fmax = torch.finfo(torch.float32).max
+    return (codes * scale).clamp_(-fmax, fmax).view(rows, nb * block)[:, :n]
 
 
 def as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
