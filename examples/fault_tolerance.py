@@ -6,7 +6,7 @@
   On several machines, run one ``torchrun`` per replica group instead (docs/fault-tolerance.md).
 * :func:`make_manager`: this worker's ``torchft.Manager`` (synchronous quorum: a recovery completes before the step).
 * :func:`wait_for_all`: at a step, wait until every replica group is in the quorum (the start of a job, and the
-  test that makes a failure's schedule deterministic).
+  steps of ``--ft-join-at``, which make a run with failures deterministic).
 * :class:`Chaos`: ``--ft-kill`` kills this worker with SIGKILL at a chosen step and place, as a lost machine would.
 """
 
@@ -178,21 +178,21 @@ def wait_for_all(ft: Any, replicas: int, deadline_s: float, log: Any) -> None:
 
 
 class Chaos:
-    """``--ft-kill REPLICA:RANK:STEP:WHERE``: SIGKILL this worker, once (first attempt only), where WHERE is
+    """``--ft-kill REPLICA:RANK:STEP:WHERE`` (repeatable): SIGKILL this worker in its first attempt, where WHERE is
     ``forward`` (step STEP, before its forward), ``optim`` (step STEP, inside the optimizer step, after the commit) or
     ``send`` (while sending its state to a recovering group, at step STEP or later)."""
 
     PLACES = ("forward", "optim", "send")
 
-    def __init__(self, spec: str | None, replica: int, rank: int) -> None:
-        self.where, self.step = None, 0
-        if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            r, k, step, where = spec.split(":")
-            if (int(r), int(k)) == (replica, rank):
-                self.where, self.step = where, int(step)
+    def __init__(self, specs: list[str] | None, replica: int, rank: int) -> None:
+        self.kills: list[tuple[str, int]] = []
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            for r, k, step, where in (spec.split(":") for spec in specs or []):
+                if (int(r), int(k)) == (replica, rank):
+                    self.kills.append((where, int(step)))
 
     def __call__(self, where: str, step: int) -> None:
-        if where == self.where and (step == self.step or (where == "send" and step >= self.step)):
+        if any(w == where and (step == s or (where == "send" and step >= s)) for w, s in self.kills):
             print(f"fault tolerance: --ft-kill: killing this worker (SIGKILL) at step {step} ({where})", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -28,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
@@ -94,10 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f("--ft-timeout", type=positive_float, default=60.0, help="seconds any collective, quorum or recovery may take")
     f("--ft-lighthouse", metavar="URL", help="an existing Lighthouse (default: $TORCHFT_LIGHTHOUSE under torchrun, "
       "else one started here)")
-    f("--ft-wait-all", metavar="STEPS", default="", help="testing: also start these steps (comma-separated) only "
-      "with every group in the quorum, as step 1 does")
-    f("--ft-kill", metavar="R:K:STEP:WHERE", type=parse_kill, help="testing: SIGKILL rank K of replica group R once, "
-      "at STEP's forward, inside its optimizer step (optim) or while sending its state to a recovering group (send)")
+    f("--ft-join-at", metavar="STEPS", default="", help="testing: groups (re)join only at these steps (comma-"
+      "separated), which wait for every group as step 1 does; other steps' quorums only shrink (deterministic runs)")
+    f("--ft-kill", metavar="R:K:STEP:WHERE", type=parse_kill, action="append", help="testing (repeatable): SIGKILL "
+      "rank K of replica group R once, at STEP's forward, inside its optimizer step (optim) or while sending its "
+      "state to a recovering group (send, at STEP or later)")
     f("--digest", action="store_true", help="print a SHA-256 of each rank's parameter shards and optimizer state "
       "at the end (to compare runs bitwise)")
     c = p.add_argument_group("checkpoints (fully_shard.ckpt, sharded DCP)").add_argument
@@ -139,6 +141,9 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         if key in ("config", "nproc", "ft_replica_id") or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
+        if isinstance(value, list):  # a repeatable flag
+            out += [f"{flag}={v}" for v in value]
+            continue
         out.append(flag if value is True else f"{flag}={value!r}" if isinstance(value, float) else f"{flag}={value}")
     return out
 
@@ -213,8 +218,8 @@ def run(args: argparse.Namespace) -> None:
         ft = FaultTolerantHSDP(ft_manager, model, optimizer)  # the model's and optimizer's shards; the schedule too:
         ft_manager.register_state_dict_fn("schedule", scheduler.load_state_dict,
                                           lambda: (chaos("send", ft_manager.current_step()), scheduler.state_dict())[1])
-        optimizer.register_step_post_hook(lambda *_: chaos("optim", ft_manager.current_step() + 1))
-        wait_steps = {1} | {int(x) for x in args.ft_wait_all.split(",") if x}
+        optimizer.register_step_post_hook(lambda *_: chaos("optim", ft_manager.current_step()))  # after the commit
+        join_steps = {1} | {int(x) for x in args.ft_join_at.split(",") if x}
     log(f"fully_shard on {world} ranks ({dist.get_backend()}, {device.type}) | {n_params:,} parameters, "
         f"optimizer {type(optimizer).__name__}, "
         f"{args.n_layers} blocks, dim {args.dim} | mesh {tuple(mesh.shape)} | data: {len(tokens):,} tokens "
@@ -277,7 +282,10 @@ def run(args: argparse.Namespace) -> None:
     while step < args.steps:
         if ft is not None:  # join the step's quorum; a group that is behind receives its state here
             before = ft_manager.current_step()
-            wait_for_all(ft, replicas, args.ft_timeout, log) if before + 1 in wait_steps else ft.start_step()
+            if before + 1 in join_steps:
+                wait_for_all(ft, replicas, args.ft_timeout, log)
+            else:
+                ft.start_step(shrink_only=bool(args.ft_join_at))
             step = ft_manager.current_step()
             if step != before:
                 log(f"recovered live at step {step} from a healthy replica group (each rank: its peer's shards)")
@@ -389,6 +397,11 @@ def main() -> int:
     try:
         run(args)
         dist.barrier()  # rank 0 may still be writing the plot
+    except BaseException:
+        if not args.ft_enable:
+            raise
+        traceback.print_exc()  # and leave at once: the launcher restarts the group (torchft's threads would delay it)
+        leave_worker(1)
     finally:
         dist.destroy_process_group()
     leave_worker(0)  # gloo: no interpreter shutdown after collectives (see common.py)

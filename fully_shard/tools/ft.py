@@ -67,11 +67,12 @@ class FaultTolerantHSDP:
         manager.register_state_dict_fn("fully_shard", lambda sd: load_sharded_state_dict(model, optimizer, sd),
                                        lambda: sharded_state_dict(model, optimizer))
 
-    def start_step(self) -> None:
-        """Join this step's quorum; a group that is behind receives its state here. Raises ``RuntimeError`` naming the
+    def start_step(self, *, shrink_only: bool = False) -> None:
+        """Join this step's quorum; a group that is behind receives its state here. ``shrink_only``: a quorum without
+        groups that were not in the last one (torchft's option; they wait). Raises ``RuntimeError`` naming the
         Lighthouse when no quorum could be formed within the manager's quorum timeout."""
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(shrink_only=shrink_only)
         except Exception as e:
             raise RuntimeError(f"fully_shard.tools.ft: no quorum for step {self.manager.current_step() + 1}: the torchft "
                                f"Lighthouse did not answer in time ({type(e).__name__}: {e}); is it running, and is "
