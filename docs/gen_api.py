@@ -145,6 +145,7 @@ def _in_torch(name: str, method: str | None = None) -> bool:
 SUBPACKAGES = (
     ("fully_shard.tools", "planner, comm trace, wrap helpers, debug mode"),
     ("fully_shard.ckpt", "crash-safe checkpoints, CheckpointManager, conversion to one file"),
+    ("fully_shard.tools.ft", "fault-tolerant HSDP on torchft: the replicate reduction and live recovery"),
 )
 
 

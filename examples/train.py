@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       "state to a recovering group (send, at STEP or later)")
     f("--digest", action="store_true", help="print a SHA-256 of each rank's parameter shards and optimizer state "
       "at the end (to compare runs bitwise)")
+    a("--dist-timeout", type=positive_float, metavar="SECONDS", help="how long the process group may wait to "
+      "connect or for a collective before failing (torch's default: 30 min on gloo; --ft-timeout with --ft-enable)")
     c = p.add_argument_group("checkpoints (fully_shard.ckpt, sharded DCP)").add_argument
     c("--ckpt-dir", metavar="DIR", help="save into DIR/step_<k> (every rank must see DIR)")
     c("--ckpt-every", type=positive_int, metavar="K", help="save every K steps, and at the last")
@@ -392,7 +394,8 @@ def main() -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if args.ft_lighthouse:
         os.environ["TORCHFT_LIGHTHOUSE"] = args.ft_lighthouse
-    timeout = {"timeout": timedelta(seconds=args.ft_timeout)} if args.ft_enable else {}  # a lost peer: an error, soon
+    seconds = args.dist_timeout or (args.ft_timeout if args.ft_enable else None)  # a lost peer: an error, soon
+    timeout = {"timeout": timedelta(seconds=seconds)} if seconds else {}
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **timeout)
     try:
         run(args)

@@ -174,8 +174,8 @@ def _errors() -> list[str]:
 def test_bad_input_and_a_split_group_raise_naming_the_cause() -> None:
     messages = run_distributed(_errors, 2)[0]
     assert "Linear has no FSDP module: call fully_shard" in messages[0]
-    assert "parameter logit_scale is on a 2-D mesh: the replicate dimension is torchft's" in messages[1]
-    assert re.search(r"the state received for tok_embeddings\.weight is \(\d+, 96\) .* every replica group must build "
+    assert "parameter 'logit_scale' is on a 2-D mesh: the replicate dimension is torchft's" in messages[1]
+    assert re.search(r"the state received for 'tok_embeddings\.weight' is \(\d+, 96\) .* every replica group must build "
                      "the same model and shard it over the same number of ranks", messages[2]), messages[2]
     assert "names other tensors than this model's (['layers.2." in messages[3]
     assert "the ranks of this replica group disagree on the step (0 to 1) after a live recovery failed" in messages[4]
@@ -242,22 +242,22 @@ def _metrics(path: str) -> list[dict[str, Any]]:
 
 def _chaos(impl: str, tmp: str) -> tuple[str, dict[tuple[int, int], tuple[str, str]]]:
     """Rank 1 of group 1 killed before step 10's forward; groups rejoin only at steps 14 and 24 (deterministic);
-    rank 0 of group 0 killed inside step 18's optimizer step, after its commit; the Lighthouse killed at step 26 and
-    restarted by the launcher."""
+    rank 0 of group 0 killed inside step 18's optimizer step, after its commit; with fully_shard, the Lighthouse
+    killed at step 26 and restarted by the launcher (a stall, no change to any step: not repeated with torch's)."""
     pid: list[int] = []
     killed: list[int] = []
 
     def kill_lighthouse(line: str) -> None:
         if not pid and (m := re.search(r"Lighthouse at \S+ \(pid (\d+)\)", line)):
             pid.append(int(m.group(1)))
-        elif pid and not killed and re.match(r"\[replica \d\] step +26/30", line):
+        elif pid and not killed and impl == "ours" and re.match(r"\[replica \d\] step +26/30", line):
             os.kill(pid[0], signal.SIGKILL)
             killed.append(pid[0])
 
     out = _run([*SMALL, *FT, "--fsdp", "fully_shard" if impl == "ours" else "torch", "--ft-join-at", "14,24",
                 "--ft-kill", "1:1:10:forward", "--ft-kill", "0:0:18:optim", "--metrics", os.path.join(tmp, "m.jsonl")],
                deadline=400, on_line=kill_lighthouse)
-    assert killed, out[-20000:]
+    assert killed or impl != "ours", out[-20000:]
     return out, _digests(out)
 
 
@@ -268,9 +268,9 @@ def test_replica_groups_survive_kills_and_a_lighthouse_restart(tmp_path: Any) ->
         log = out[-20000:]
         for rank in (0, 1):  # the replicas hold bitwise the same parameters and optimizer state
             assert digests[0, rank] == digests[1, rank], (impl, log)
-        # each group restarted once, recovered live once, and the Lighthouse once
+        # each group restarted once and recovered live once; the Lighthouse restarted
         assert out.count("restarting the group (restart 1 of 3)") == 2 and "restart 2 of" not in out, log
-        assert "the Lighthouse was killed by SIGKILL; restarting it" in out, log
+        assert impl != "ours" or "the Lighthouse was killed by SIGKILL; restarting it" in out, log
         assert "[replica 1] recovered live at step 13 " in out and "[replica 0] recovered live at step 23 " in out, log
         # every step committed exactly once in each group's own history, averaged over the groups that ran it:
         # group 0 alone for 10-13, group 1 alone for 19-23

@@ -59,7 +59,7 @@ class FaultTolerantHSDP:
                              "mesh over this replica group's ranks) on its blocks and on the model first")
         for name, p in model.named_parameters():
             if isinstance(p, DTensor) and p.device_mesh.ndim > 1 and p.placements[0].is_replicate():
-                raise ValueError(f"FaultTolerantHSDP: parameter {name} is on a {p.device_mesh.ndim}-D mesh: the "
+                raise ValueError(f"FaultTolerantHSDP: parameter '{name}' is on a {p.device_mesh.ndim}-D mesh: the "
                                  "replicate dimension is torchft's, so shard each group over a 1-D mesh of its own ranks")
         hook = _all_reduce_hook(manager)
         for m in fsdp_modules:
@@ -165,7 +165,7 @@ def load_sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optim
                          "every replica group must build the same model")
     with torch.no_grad():
         for name, t in own.items():
-            _copy_into(_local(t), state["model"][name].to(_local(t).device), name)
+            _copy_into(_local(t), state["model"][name].to(_local(t).device), f"'{name}'")
         if optimizer is None:
             return
         saved = state["optim"]
@@ -183,7 +183,7 @@ def load_sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optim
                     if not isinstance(v, torch.Tensor):
                         entry[k] = v
                     elif isinstance(cur, torch.Tensor) and isinstance(cur, DTensor) == (k in saved["dtensors"][name]):
-                        _copy_into(_local(cur), v.to(_local(cur).device), f"{name} (optimizer state {k!r})")
+                        _copy_into(_local(cur), v.to(_local(cur).device), f"'{name}' (optimizer state {k!r})")
                     elif k in saved["dtensors"][name]:
                         assert isinstance(p, DTensor)
                         entry[k] = DTensor.from_local(v.to(p.to_local().device, copy=True), p.device_mesh, p.placements,
