@@ -25,12 +25,14 @@ PORT=${PORT:-29500}
 export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NODE ))
 
 # Elastic restarts: when a worker dies, torchrun restarts every worker of the job (up to
-# MAX_RESTARTS times) and --resume continues from the newest checkpoint in --ckpt-dir. A restart
-# can fail to reconnect ("Gloo connectFullMesh failed ... Connection refused", NCCL's
-# "socketPollConnect ... Connection refused", pytorch/pytorch#167288): seen in about 1 of 3
-# restarts on gloo. Each failed reconnect costs one restart, so allow several, and bound the
-# waits: RDZV_TIMEOUT for the rendezvous, the process group's timeout for the reconnect
-# (examples/train.py --dist-timeout), instead of torch's defaults of 10 and 30 minutes.
+# MAX_RESTARTS times) and --resume continues from the newest checkpoint in --ckpt-dir. torch's
+# c10d rendezvous keeps one store for all restarts, so a restarted worker can read a dead one's
+# address: "Gloo connectFullMesh failed ... Connection refused" (NCCL: "socketPollConnect ...
+# Connection refused", pytorch/pytorch#167288), or a hang. examples/train.py gives every attempt
+# its own keys (another script: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see
+# docs/troubleshooting.md). Allow several restarts all the same, and bound the waits so that a
+# failed attempt ends and the next one runs: RDZV_TIMEOUT for the rendezvous and the process
+# group (--dist-timeout), instead of torch's defaults of 10 and 30 minutes.
 # To lose a node without stopping the others, see docs/fault-tolerance.md (torchft).
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 RDZV_TIMEOUT=${RDZV_TIMEOUT:-300}

@@ -98,8 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f("--ft-join-at", metavar="STEPS", default="", help="testing: groups (re)join only at these steps (comma-"
       "separated), which wait for every group as step 1 does; other steps' quorums only shrink (deterministic runs)")
     f("--ft-kill", metavar="R:K:STEP:WHERE", type=parse_kill, action="append", help="testing (repeatable): SIGKILL "
-      "rank K of replica group R once, at STEP's forward, inside its optimizer step (optim) or while sending its "
-      "state to a recovering group (send, at STEP or later)")
+      "rank K of replica group R once (in the first attempt), at STEP's forward, inside its optimizer step (optim) "
+      "or while sending its state to a recovering group (send, at STEP or later); without --ft-enable: R is 0, "
+      "forward only (a torchrun restart)")
     f("--digest", action="store_true", help="print a SHA-256 of each rank's parameter shards and optimizer state "
       "at the end (to compare runs bitwise)")
     a("--dist-timeout", type=positive_float, metavar="SECONDS", help="how long the process group may wait to "
@@ -209,13 +210,12 @@ def run(args: argparse.Namespace) -> None:
     else:  # local_step: AdamW steps on the local shards as plain tensors (bitwise the same, state stays DTensor)
         optimizer = local_step(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
-    ft = chaos = None
+    ft, chaos = None, Chaos(args.ft_kill, replica, rank)
     if args.ft_enable:  # 2b. torchft: the cross-group reduction, quorum and live recovery (fully_shard.tools.ft)
         from fault_tolerance import make_manager, wait_for_all
 
         from fully_shard.tools.ft import FaultTolerantHSDP
 
-        chaos = Chaos(args.ft_kill, replica, rank)
         ft_manager = make_manager(args, device, args.ft_timeout)
         ft = FaultTolerantHSDP(ft_manager, model, optimizer)  # the model's and optimizer's shards; the schedule too:
         ft_manager.register_state_dict_fn("schedule", scheduler.load_state_dict,
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> None:
                 break
             sampler.seek(step * args.grad_accum)  # this step's batches, whichever attempt runs it
             batches = iter(DataLoader(train_set, batch_sampler=sampler, num_workers=0))  # type: ignore[arg-type]
-            chaos("forward", step + 1)
+        chaos("forward", step + 1)
         step += 1
         t0 = time.perf_counter()
         total = torch.zeros((), device=device)
@@ -378,6 +378,23 @@ def run(args: argparse.Namespace) -> None:
         log(save_loss_curve(args.plot, losses, evals, start, title))
 
 
+def attempt_store(seconds: float | None) -> dict[str, object]:
+    """Under torchrun's c10d rendezvous, a store of this restart attempt's own (as ``init_process_group`` arguments).
+
+    torchrun keeps one store for all restarts of a job, and its workers use it without a prefix: a restarted worker
+    can read the address its dead predecessor published and fail with "Gloo connectFullMesh failed ... Connection
+    refused", or hang (pytorch/pytorch#167288; docs/troubleshooting.md). Keys prefixed by the attempt cannot be stale.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=seconds or 1800))
+    return {"store": dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 def main() -> int:
     args = parse_args()
     if "LOCAL_RANK" not in os.environ:
@@ -396,7 +413,7 @@ def main() -> int:
         os.environ["TORCHFT_LIGHTHOUSE"] = args.ft_lighthouse
     seconds = args.dist_timeout or (args.ft_timeout if args.ft_enable else None)  # a lost peer: an error, soon
     timeout = {"timeout": timedelta(seconds=seconds)} if seconds else {}
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **timeout)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **timeout, **attempt_store(seconds))
     try:
         run(args)
         dist.barrier()  # rank 0 may still be writing the plot

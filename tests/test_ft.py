@@ -181,6 +181,28 @@ def test_bad_input_and_a_split_group_raise_naming_the_cause() -> None:
     assert "the ranks of this replica group disagree on the step (0 to 1) after a live recovery failed" in messages[4]
 
 
+def test_train_flags_and_the_fault_tolerance_table(capsys: Any) -> None:
+    """examples/llama_ft.toml's [fault_tolerance] keys are torchtitan's names for the --ft-* flags; bad combinations
+    are refused at parse time, naming the flags."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import train
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    args = train.parse_args(["--config", os.path.join(ROOT, "examples", "llama_ft.toml"), "--ft-kill", "1:1:10:optim"])
+    assert (args.ft_enable, args.ft_group_size, args.ft_min_replica_size, args.ft_max_restarts, args.ft_timeout) == (
+        True, 2, 1, 3, 60.0)
+    assert "--ft-kill=1:1:10:optim" in train.worker_argv(args) and "--ft-enable" in train.worker_argv(args)
+    for argv, message in ((["--ft-enable", "--hsdp", "2"], "--ft-enable and --hsdp: the replicate dimension is "
+                           "torchft's replica groups; use --ft-group-size"),
+                          (["--ft-enable", "--ckpt-dir", "x"], "--ft-enable and --ckpt-dir: a fault-tolerant job "
+                           "recovers from a live replica group"),
+                          (["--ft-kill", "1:1:10:later"], "expected REPLICA:RANK:STEP:WHERE with WHERE one of")):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------
 # end to end: examples/train.py --ft-enable, a Lighthouse and 2 x 2 workers as subprocesses
 # ---------------------------------------------------------------------------
@@ -191,11 +213,13 @@ FT = ["--ft-enable", "--nproc", "2", "--ft-group-size", "2", "--ft-timeout", "60
 DIGEST = re.compile(r"^digest (?:replica (\d) )?rank (\d): parameters (\w+) optimizer (\w+)$", re.M)
 
 
-def _run(args: list[str], deadline: float, on_line: Callable[[str], None] | None = None) -> str:
-    """examples/train.py in a session of its own (launcher, Lighthouse, workers); all of it is killed when the run
-    ends, fails or passes ``deadline`` seconds, so nothing outlives the test. Returns the output."""
+def _run(args: list[str], deadline: float, on_line: Callable[[str], None] | None = None,
+         launcher: tuple[str, ...] = ()) -> str:
+    """examples/train.py (under ``launcher``, e.g. torchrun) in a session of its own (launcher, Lighthouse, workers);
+    all of it is killed when the run ends, fails or passes ``deadline`` seconds, so nothing outlives the test.
+    Returns the output."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, *launcher, TRAIN, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
 
@@ -224,14 +248,14 @@ def _run(args: list[str], deadline: float, on_line: Callable[[str], None] | None
     return out
 
 
-def _digests(out: str) -> dict[tuple[int, int], tuple[str, str]]:
+def _digests(out: str, world: int = 4) -> dict[tuple[int, int], tuple[str, str]]:
     """(replica, rank) -> (parameters, optimizer); plain HSDP's rank r of (2, 2) is replica r // 2, rank r % 2."""
     found = {}
     for replica, rank, params, optim in DIGEST.findall(out):
         key = (int(replica), int(rank)) if replica else divmod(int(rank), 2)
         assert key not in found, f"{key} printed twice:\n{out[-20000:]}"
         found[key] = (params, optim)
-    assert sorted(found) == [(0, 0), (0, 1), (1, 0), (1, 1)], out[-20000:]
+    assert sorted(found) == [divmod(r, 2) for r in range(world)], out[-20000:]
     return found
 
 
@@ -299,3 +323,20 @@ def test_a_kill_during_live_recovery_restarts_both_groups_from_scratch() -> None
     assert "killing this worker (SIGKILL) at step 13 (send)" in out, out[-20000:]
     assert "replica group 0: worker 1 was killed by SIGKILL; restarting the group" in out, out[-20000:]
     assert _digests(out) == _digests(hsdp)
+
+
+@pytest.mark.long
+def test_torchrun_restart_reconnects_and_resumes_exactly(tmp_path: Any) -> None:
+    """The torchrun path: rank 1 SIGKILLed before step 12's forward, torchrun restarts both workers, which reconnect
+    (each attempt has its own store keys: examples/train.py ``attempt_store``; without them a restart failed to
+    connect, or hung, in 2 of 4 jobs here) and resume from the checkpoint of step 10: the parameters and optimizer
+    state end bitwise as in the run without the kill."""
+    common = [*SMALL, "--steps", "16", "--ckpt-every", "5", "--resume", "--dist-timeout", "120"]
+    out = _run([*common, "--ckpt-dir", str(tmp_path / "a"), "--ft-kill", "0:1:12:forward"], 300,
+               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"))
+    plain = _run([*common, "--ckpt-dir", str(tmp_path / "b"), "--nproc", "2"], 200)
+    assert "killing this worker (SIGKILL) at step 12 (forward)" in out, out[-20000:]
+    assert "resumed from" in out and "step_10: step 10" in out, out[-20000:]
+    assert "connectFullMesh" not in out, out[-20000:]
+    assert _digests(out, 2) == _digests(plain, 2)
+

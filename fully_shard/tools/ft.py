@@ -36,6 +36,7 @@ class FaultTolerantHSDP:
 
     Each step: :meth:`start_step`, forward and backward, then step the optimizer (and scheduler) only if
     :meth:`should_commit` says so. A step that is not committed is simply run again: same data, same parameters.
+    ``group``: this replica group's process group (default: the default one), for the check in :meth:`should_commit`.
 
     Example::
 
@@ -75,8 +76,9 @@ class FaultTolerantHSDP:
             self.manager.start_quorum(shrink_only=shrink_only)
         except Exception as e:
             raise RuntimeError(f"fully_shard.tools.ft: no quorum for step {self.manager.current_step() + 1}: the torchft "
-                               f"Lighthouse did not answer in time ({type(e).__name__}: {e}); is it running, and is "
-                               "TORCHFT_LIGHTHOUSE (or lighthouse_addr) its address?") from e
+                               "Lighthouse (or this group's manager, on its rank 0) did not answer in time "
+                               f"({type(e).__name__}: {e}); is the Lighthouse running, and TORCHFT_LIGHTHOUSE (or "
+                               "lighthouse_addr) its address?") from e
 
     def should_commit(self) -> bool:
         """Whether every rank of this group and the quorum finished the step; step the optimizer only if so.
@@ -86,16 +88,20 @@ class FaultTolerantHSDP:
         the group: it recovers from a healthy one)."""
         try:
             ok = bool(self.manager.should_commit())
-        except RuntimeError as e:  # max_retries consecutive failures
-            raise RuntimeError(f"fully_shard.tools.ft: step {self.manager.current_step() + 1} failed too often: {e}") from e
+        except RuntimeError as e:  # the group's manager is gone, or max_retries failed steps in a row
+            raise RuntimeError(f"fully_shard.tools.ft: the commit of step {self.manager.current_step() + 1} failed: "
+                               f"{e} (this group's manager, on its rank 0, is gone, or the manager's max_retries "
+                               "steps failed in a row)") from e
         if not ok:
             steps = torch.tensor([self.manager.current_step(), -self.manager.current_step()], dtype=torch.int64)
             dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)
             if int(steps[0]) != -int(steps[1]):
+                error = self.manager.errored()  # torchft's wrapper: the exception and its traceback
+                cause = getattr(error, "original_exception", error)
                 raise RuntimeError(
                     f"fully_shard.tools.ft: the ranks of this replica group disagree on the step ({-int(steps[1])} to "
-                    f"{int(steps[0])}) after a live recovery failed on some of them ({self.manager.errored()}); restart "
-                    "the group: it recovers from a healthy one")
+                    f"{int(steps[0])}) after a live recovery failed on some of them (here: {cause!r}); restart the "
+                    "group: it recovers from a healthy one")
         return ok
 
 
