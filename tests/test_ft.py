@@ -321,7 +321,9 @@ def test_a_kill_during_live_recovery_restarts_both_groups_from_scratch() -> None
     out = _run([*SMALL, *FT, "--ft-join-at", "14", "--ft-kill", "1:1:10:forward", "--ft-kill", "0:1:10:send"], 400)
     hsdp = _run([*SMALL, "--nproc", "4", "--hsdp", "2"], 200)
     assert "killing this worker (SIGKILL) at step 13 (send)" in out, out[-20000:]
-    assert "replica group 0: worker 1 was killed by SIGKILL; restarting the group" in out, out[-20000:]
+    # its rank 1 killed, rank 0 failing on its next collective: whichever the launcher sees first
+    assert re.search(r"replica group 0: worker \d (was killed by SIGKILL|exited with status 1); restarting the group",
+                     out), out[-20000:]
     assert _digests(out) == _digests(hsdp)
 
 
