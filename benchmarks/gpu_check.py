@@ -10,10 +10,11 @@ of fully_shard: the copy-in, the all-gather, the copy-out and the reduce-scatter
 kernels on their own streams. The table gives, per library: step time (median), tokens/s,
 MFU, peak allocated and reserved memory, the caching allocator's cudaMalloc retries, and
 the same with pinned-memory CPU offload (a smaller model: the optimizer step runs on the
-host). One fully_shard step is profiled (``torch.profiler``): the chrome trace and a
-picture of the device streams are written beside the table, and the table says on which
-streams the all-gather and reduce-scatter kernels ran and how much of their time overlaps
-compute. The results go to ``benchmarks/results/<date>-<gpu>.md``.
+host), whose steps are also timed by phase (forward, backward, optimizer step). One
+fully_shard step is profiled (``torch.profiler``): the chrome trace and a picture of the
+device streams are written beside the table, and the table says on which streams the
+all-gather and reduce-scatter kernels ran and how much of their time overlaps compute.
+The results go to ``benchmarks/results/<date>-<gpu>.md``.
 
 On a machine without an accelerator it exits (status 2) saying so. ``--dry-run`` runs the
 same code on the CPU (gloo, a tiny model, memory columns "n/a") so that its logic is
@@ -123,25 +124,38 @@ def train(impl: str, args: LlamaArgs, dev: torch.device, cfg: argparse.Namespace
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step(i: int) -> float:
+    def step(i: int, marks: list[float] | None = None) -> float:
+        def mark() -> None:  # offload: the end of each phase (a device sync costs little beside host copies)
+            if marks is not None:
+                _sync(dev)
+                marks.append(time.perf_counter())
+
         x = tokens(i, 0, args, cfg.batch_size, cfg.seq_len).to(dev)
         loss = loss_fn(model(x), x)
+        mark()
         loss.backward()
+        mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     steps = cfg.offload_steps if offload else cfg.steps
-    times, losses = [], []
+    times, losses, phases = [], [], []
     for i in range(cfg.warmup + steps):
         _sync(dev)
         start = time.perf_counter()
-        losses.append(step(i))  # float(): waits for the step's last kernel
+        marks = [start] if offload else None
+        losses.append(step(i, marks))  # float(): waits for the step's last kernel
         _sync(dev)
+        end = time.perf_counter()
         if i >= cfg.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(end - start)
+            if marks is not None:
+                phases.append([b - a for a, b in zip(marks, marks[1:] + [end])])
     out: dict[str, Any] = {"impl": impl, "offload": offload, "pinned": offload and dev.type != "cpu", "step_s": statistics.median(times),
                            "losses": losses, **_memory(dev)}
+    if phases:  # forward, backward, optimizer step + zero_grad: medians
+        out["phases_s"] = [statistics.median(p[k] for p in phases) for k in range(3)]
     if profile_to is not None:
         out["trace"] = profile_step(dev, lambda: step(cfg.warmup + steps), profile_to)
     return out
@@ -273,6 +287,11 @@ def render(meta: dict[str, Any], runs: list[dict[str, Any]], trace: dict[str, An
         retries = "n/a" if r["alloc_retries"] is None else str(r["alloc_retries"])
         lines.append(f"| {r['impl']} | {('pinned CPU' if r['pinned'] else 'CPU') if r['offload'] else 'no'} | {r['step_s'] * 1e3:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {_gib(r['max_allocated'])} | {_gib(r['max_reserved'])} | {retries} |")
+    timed = [r for r in runs if r.get("phases_s")]
+    if timed:
+        lines += ["", "Offload steps by phase (medians; the device synchronised at the end of each):", "",
+                  "| library | forward (ms) | backward (ms) | optimizer step + zero_grad (ms) |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {r['impl']} | " + " | ".join(f"{t * 1e3:.1f}" for t in r["phases_s"]) + " |" for r in timed]
     lines += ["", "## Streams (one fully_shard step under torch.profiler)", ""]
     if trace["device_kernels"]:
         lines += [f"{trace['device_kernels']} device kernels; compute stream {trace['compute_stream']}; "

@@ -268,9 +268,9 @@ class StorageTracker(TorchDispatchMode):
         who = self._allocator()
         if who == "fully_shard" and self._phase == "backward":
             for st in inputs:  # the parameters' full gradients that fully_shard reads
-                uid = self._refs[st._cdata][0]
-                if self.category[uid] == "backward":
-                    self.category[uid] = "unsharded_grad"
+                entry = self._refs.get(st._cdata)  # None: a meta storage (a fake tensor's: DTensor's sharding propagation)
+                if entry is not None and self.category[entry[0]] == "backward":
+                    self.category[entry[0]] = "unsharded_grad"
         for t in tree_leaves(out):
             for st in _storages(t):
                 entry = self._refs.get(st._cdata)

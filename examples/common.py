@@ -43,6 +43,33 @@ def launch_script(script: str, nproc: int, argv: list[str]) -> int:
     return 0
 
 
+def choose_device(requested: str, accelerator: str | None, count: int, local_procs: int) -> tuple[str, str | None]:
+    """The device type the job's processes train on, and a note to print (or None).
+
+    ``auto``: the accelerator where each of the ``local_procs`` processes on this machine gets a device of its own (as
+    torchrun jobs run, one process per GPU; NCCL refuses two on one), else the CPU with a note saying so. ``cpu``. Or the
+    accelerator's type (``cuda``): refused with a ValueError that says what to pass where there is none or too few.
+
+    Example::
+
+        >>> choose_device("auto", "cuda", 1, 2)[0]  # 2 processes, 1 GPU: the CPU, and a note
+        'cpu'
+    """
+    if requested == "cpu" or (requested == "auto" and accelerator is None):
+        return "cpu", None
+    if requested == "auto":
+        if count >= local_procs:
+            return accelerator, None  # type: ignore[return-value]
+        return "cpu", (f"note: {local_procs} processes here but {count} {accelerator} device(s), one per process is "
+                       f"needed: training on the CPU (gloo); --nproc {count} trains on the {accelerator} device(s)")
+    if requested != accelerator:
+        raise ValueError(f"--device {requested}: this machine's accelerator is {accelerator or 'none'}: pass --device auto or --device cpu")
+    if count < local_procs:
+        raise ValueError(f"--device {requested}: {local_procs} processes here but {count} {requested} device(s), and each "
+                         f"process needs its own: pass --nproc {count} (torchrun: --nproc-per-node={count}) or --device cpu")
+    return requested, None
+
+
 def leave_worker(code: int) -> None:
     """End a CPU (gloo) worker after ``destroy_process_group`` without interpreter shutdown.
 
@@ -340,13 +367,13 @@ class Metrics:
             self.tb.close()
 
 
-def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's parameters, gradients and optimizer state: the storages its
-    local tensors (a DTensor's local shard) live in, each storage once."""
+def training_state_bytes(model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state (of one optimizer, or one per
+    parameter): the storages its local tensors (a DTensor's local shard) live in, each storage once."""
     seen: set[int] = set()
     total = 0
     tensors = [*model.parameters(), *(p.grad for p in model.parameters())]
-    tensors += [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+    tensors += [v for o in optimizers for s in o.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
     for t in tensors:
         if t is None:
             continue
@@ -357,8 +384,8 @@ def training_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return total
 
 
-def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, str]:
-    """SHA-256 of this rank's parameter shards (and buffers), and of its optimizer state, in name order: equal
+def state_digest(model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> tuple[str, str]:
+    """SHA-256 of this rank's parameter shards (and buffers), and of its optimizers' state, in name order: equal
     digests, bitwise equal states."""
     import hashlib
 
@@ -366,10 +393,10 @@ def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
 
     from fully_shard.tools.ft import sharded_state_dict
 
-    state = sharded_state_dict(model, optimizer)
-    optim = {f"{n}.{k}": v for n, entry in state["optim"]["state"].items() for k, v in entry.items()}
+    optim = {f"{n}.{k}": v for o in optimizers
+             for n, entry in sharded_state_dict(model, o)["optim"]["state"].items() for k, v in entry.items()}
     out = []
-    for tensors in (state["model"], optim):
+    for tensors in (sharded_state_dict(model)["model"], optim):
         h = hashlib.sha256()
         for name in sorted(tensors):
             t = tensors[name]

@@ -7,7 +7,9 @@
     python3 examples/train.py --config examples/llama_ft.toml   # fault tolerant: 2 replica groups x 2
 
 Run directly it starts its own workers; under torchrun it uses torchrun's world. A TOML
-job config (``--config``) sets any flag; flags on the command line override it.
+job config (``--config``) sets any flag; flags on the command line override it. ``--device
+auto`` (the default) trains on the accelerator when it has a device for each local process,
+else on the CPU with a one-line note; ``--device cuda`` insists (an error when too few).
 
 Data: a byte-level BPE tokenizer trained at start-up on the corpus with ``tokenizers``
 (the Python standard library's sources by default, or ``--data FILE``: nothing is
@@ -35,8 +37,8 @@ EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, EXAMPLES)
 from common import (  # the helpers the examples share (examples/ is on sys.path just above)
     Metrics, Progress, StatefulBatchSampler, WindowDataset, eval_loss, flops_per_token, fmt_bytes,
-    launch_script, leave_worker, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops, positive_int,
-    positive_float, save_loss_curve, start_profiler, state_digest, tokenize, training_state_bytes,
+    choose_device, launch_script, leave_worker, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops,
+    positive_float, positive_int, save_loss_curve, start_profiler, state_digest, tokenize, training_state_bytes,
 )
 from fault_tolerance import Chaos, parse_kill
 
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.add_argument
     a("--config", metavar="TOML", help="job config: any flag below as a key (tables only group keys)")
     a("--nproc", type=positive_int, default=2, help="processes to start here (ignored under torchrun)")
+    a("--device", default="auto", help="auto: the accelerator when it has a device for each process here, else the CPU "
+      "(with a note); cpu; or the accelerator's type (cuda), refused when it has too few devices")
     a("--steps", type=positive_int, default=120, help="optimizer steps in all (a resumed run too)")
     a("--batch-size", type=positive_int, default=8, help="sequences per rank per micro-batch")
     a("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
@@ -59,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--lr", type=non_negative_float, default=3e-3, help="peak learning rate")
     a("--optimizer", choices=("adamw", "muon"), default="adamw", help="muon: fully_shard.optim.MuonAdamW, Muon on "
       "the block matrices and AdamW on the rest, both at --lr (Muon's update scaled to AdamW's RMS)")
+    a("--optimizer-in-backward", action="store_true", help="AdamW per parameter, stepped inside backward as each "
+      "gradient is reduced, which it then frees (fully_shard.optim.in_backward): no step holds every gradient. The same "
+      "losses; needs --max-norm 0 (clipping needs every gradient first)")
     a("--warmup", type=int, default=10, help="linear warmup steps, then cosine decay to lr/10")
     a("--max-norm", type=non_negative_float, default=1.0, help="clip the gradient norm (0: off)")
     a("--seed", type=int, default=0, help="seeds the model init and the data order")
@@ -119,14 +126,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--data {args.data!r} is not a file")
     world, where = ((int(os.environ["WORLD_SIZE"]), "the world size") if "WORLD_SIZE" in os.environ
                     else (args.nproc, "--nproc"))
+    if args.optimizer_in_backward and (args.max_norm > 0 or args.optimizer != "adamw"):
+        p.error("--optimizer-in-backward steps each parameter as soon as its gradient is reduced, before the others exist: "
+                "pass --max-norm 0 (clipping needs the norm of every gradient) and --optimizer adamw (Muon's matrices "
+                f"are orthogonalized together); got --max-norm {args.max_norm} --optimizer {args.optimizer}")
     if args.hsdp is not None and world % args.hsdp:
         p.error(f"--hsdp {args.hsdp} must divide {where} ({world})")
     if args.ft_enable:
-        for flag, bad in (("hsdp", args.hsdp is not None), ("ckpt-dir", args.ckpt_dir is not None)):
-            if bad:
-                p.error(f"--ft-enable and --{flag}: " + ("the replicate dimension is torchft's replica groups; use "
-                        "--ft-group-size" if flag == "hsdp" else "a fault-tolerant job recovers from a live replica "
-                        "group, not from disk; checkpoints of one group are not supported yet"))
+        why = {"hsdp": "the replicate dimension is torchft's replica groups; use --ft-group-size",
+               "ckpt-dir": "a fault-tolerant job recovers from a live replica group, not from disk; checkpoints of one "
+                           "group are not supported yet",
+               "optimizer-in-backward": "the optimizer may step only once every group has committed the step"}
+        for flag, reason in why.items():
+            if getattr(args, flag.replace("-", "_")) not in (None, False):
+                p.error(f"--ft-enable and --{flag}: {reason}")
         if not 0 <= args.ft_replica_id < args.ft_group_size:
             p.error(f"--ft-replica-id {args.ft_replica_id} must be in [0, --ft-group-size {args.ft_group_size})")
     for flag in ("ckpt_every", "ckpt_keep", "ckpt_async", "resume"):
@@ -165,10 +178,10 @@ def run(args: argparse.Namespace) -> None:
     else:
         from fully_shard import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
     from fully_shard.ckpt import CheckpointManager
-    from fully_shard.optim import local_step
+    from fully_shard.optim import in_backward, local_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cpu") if args.device == "cpu" else torch.device(args.device, int(os.environ["LOCAL_RANK"]))
     # fault tolerant: this process group is one replica group, sharding over its own ranks; the replicas of the data
     # are the groups (ranks replica * world + rank of the data-parallel world)
     replica, replicas = (args.ft_replica_id, args.ft_group_size) if args.ft_enable else (0, 1)
@@ -202,20 +215,25 @@ def run(args: argparse.Namespace) -> None:
             block.compile()  # in place: parameter names and state-dict keys unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
+    adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     if args.optimizer == "muon":  # each block matrix orthogonalized once, on its owner rank
         from fully_shard.optim import MuonAdamW, muon_param_groups
 
-        optimizer = MuonAdamW(muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
-                              adamw_lr=args.lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)
+        optimizers: list[torch.optim.Optimizer] = [MuonAdamW(
+            muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", adamw_lr=args.lr,
+            adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)]
+    elif args.optimizer_in_backward:  # one AdamW per parameter, stepped by the parameter's hook once its gradient lands
+        optimizers = list(in_backward(model, lambda ps, **kw: local_step(torch.optim.AdamW(ps, **kw)), **adamw).values())
     else:  # local_step: AdamW steps on the local shards as plain tensors (bitwise the same, state stays DTensor)
-        optimizer = local_step(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
+        optimizers = [local_step(torch.optim.AdamW(model.parameters(), **adamw))]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(args.warmup, args.steps)) for o in optimizers]
     ft, chaos = None, Chaos(args.ft_kill, replica, rank)
     if args.ft_enable:  # 2b. torchft: the cross-group reduction, quorum and live recovery (fully_shard.tools.ft)
         from fault_tolerance import make_manager, wait_for_all
 
         from fully_shard.tools.ft import FaultTolerantHSDP
 
+        (optimizer,), (scheduler,) = optimizers, schedulers  # one each: --optimizer-in-backward is refused
         ft_manager = make_manager(args, device, args.ft_timeout)
         ft = FaultTolerantHSDP(ft_manager, model, optimizer)  # the model's and optimizer's shards; the schedule too:
         ft_manager.register_state_dict_fn("schedule", scheduler.load_state_dict,
@@ -223,7 +241,7 @@ def run(args: argparse.Namespace) -> None:
         optimizer.register_step_post_hook(lambda *_: chaos("optim", ft_manager.current_step()))  # after the commit
         join_steps = {1} | {int(x) for x in args.ft_join_at.split(",") if x}
     log(f"fully_shard on {world} ranks ({dist.get_backend()}, {device.type}) | {n_params:,} parameters, "
-        f"optimizer {type(optimizer).__name__}, "
+        f"optimizer {type(optimizers[0]).__name__}" + (" in backward" if args.optimizer_in_backward else "") + ", "
         f"{args.n_layers} blocks, dim {args.dim} | mesh {tuple(mesh.shape)} | data: {len(tokens):,} tokens "
         f"({args.tokenizer}, vocabulary {vocab}), {len(train_set):,} train / {len(eval_set):,} eval windows")
     if out.note:
@@ -236,9 +254,9 @@ def run(args: argparse.Namespace) -> None:
     evals: list[tuple[int, float]] = []
 
     def state(step: int) -> dict[str, object]:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizers)
         flags = {k: getattr(args, k) for k in MODEL_FLAGS}
-        return {"model": model_sd, "optim": optim_sd, "sched": scheduler.state_dict(), "data": sampler.state_dict(),
+        return {"model": model_sd, "optim": optim_sd, "sched": schedulers[0].state_dict(), "data": sampler.state_dict(),
                 "train": {"step": step, "losses": list(losses), "evals": [list(e) for e in evals], "flags": flags,
                           "world_size": world}, f"rng_rank{rank}": torch.get_rng_state()}
 
@@ -260,8 +278,9 @@ def run(args: argparse.Namespace) -> None:
             log(f"note: saved on {saved['world_size']} ranks, resumed on {world}: weights, optimizer and schedule "
                 "continue, but the data order and RNG differ from the uninterrupted run")
         manager.load_latest(template)
-        set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"])
-        scheduler.load_state_dict(template["sched"])  # type: ignore[arg-type]
+        set_state_dict(model, optimizers, model_state_dict=template["model"], optim_state_dict=template["optim"])
+        for scheduler in schedulers:
+            scheduler.load_state_dict(template["sched"])  # type: ignore[arg-type]
         sampler.load_state_dict(template["data"])  # type: ignore[arg-type]
         if f"rng_rank{rank}" in template:
             torch.set_rng_state(template[f"rng_rank{rank}"])  # type: ignore[arg-type]
@@ -303,12 +322,12 @@ def run(args: argparse.Namespace) -> None:
             model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # reduce-scatter once per step
             x, y = (t.to(device) for t in next(batches))
             loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / args.grad_accum
-            loss.backward()
+            loss.backward()  # --optimizer-in-backward: the synced one steps every parameter
             total += loss.detach()
         if args.max_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         if ft is not None and not ft.should_commit():  # every rank of every group in the quorum must agree
-            optimizer.zero_grad(set_to_none=True)
+            optimizers[0].zero_grad(set_to_none=True)
             step -= 1
             error = getattr(ft_manager.errored(), "original_exception", None)
             why = str(error).splitlines()[0][:160] if error else "too few replica groups"
@@ -318,11 +337,14 @@ def run(args: argparse.Namespace) -> None:
                                    f"{replica}, step {step + 1}); the last failure: {why}")
             continue
         last_commit = time.monotonic()
-        optimizer.step()
-        mem = max(mem, training_state_bytes(model, optimizer))
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
+        if not args.optimizer_in_backward:
+            optimizers[0].step()
+        mem = max(mem, training_state_bytes(model, *optimizers))
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        lr = schedulers[0].get_last_lr()[0]
+        for scheduler in schedulers:
+            scheduler.step()
         dist.all_reduce(total)  # mean over ranks; .item() also syncs the device
         losses.append(total.item() / world)
         dt = time.perf_counter() - t0
@@ -358,7 +380,7 @@ def run(args: argparse.Namespace) -> None:
         if closing is not None:
             closing.close()
     if args.digest:
-        params, optim = state_digest(model, optimizer)
+        params, optim = state_digest(model, *optimizers)
         who = f"replica {replica} rank {rank}" if args.ft_enable else f"rank {rank}"
         sys.stdout.write(f"digest {who}: parameters {params} optimizer {optim}\n")
         sys.stdout.flush()
@@ -395,9 +417,25 @@ def attempt_store(seconds: float | None) -> dict[str, object]:
             "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
+def resolve_device(args: argparse.Namespace, local_procs: int) -> None:
+    """``args.device`` becomes the device type to train on (see common.choose_device); its note is printed once."""
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    count = torch.accelerator.device_count() if accelerator is not None else 0
+    try:
+        args.device, note = choose_device(args.device, accelerator and accelerator.type, count, local_procs)
+    except ValueError as e:  # as a bad flag: status 2, before any worker starts (from the launcher)
+        print(f"examples/train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if note is not None and os.environ.get("RANK", "0") == "0":
+        print(note, flush=True)
+
+
 def main() -> int:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:
+    if "LOCAL_RANK" not in os.environ:  # the launcher decides once; its workers get the device type it chose
+        resolve_device(args, args.nproc)
         if args.ft_enable:  # a Lighthouse and --ft-group-size replica groups, restarted when they fail
             from fault_tolerance import launch
 
@@ -407,13 +445,15 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    resolve_device(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # under torchrun: each process, the same answer
+    if args.device != "cpu":
+        torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
     if args.ft_lighthouse:
         os.environ["TORCHFT_LIGHTHOUSE"] = args.ft_lighthouse
     seconds = args.dist_timeout or (args.ft_timeout if args.ft_enable else None)  # a lost peer: an error, soon
     timeout = {"timeout": timedelta(seconds=seconds)} if seconds else {}
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **timeout, **attempt_store(seconds))
+    backend = "gloo" if args.device == "cpu" else dist.get_default_backend_for_device(args.device)
+    dist.init_process_group(backend, **timeout, **attempt_store(seconds))
     try:
         run(args)
         dist.barrier()  # rank 0 may still be writing the plot

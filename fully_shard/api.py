@@ -121,9 +121,12 @@ def fully_shard(
         offload_policy: :class:`CPUOffloadPolicy` keeps the sharded parameters, gradients and optimizer state in
             host memory (``optimizer.step()`` runs on the CPU), copied to the mesh device for each all-gather and
             back after each reduce-scatter.
-        ignored_params: parameters of ``module`` left alone: not sharded, not moved, gradients not reduced. The
-            root's first forward refuses a trainable parameter of the enclosing model that no call shards or ignores
-            (a forgotten ``fully_shard(model)``).
+        ignored_params: parameters left alone: not sharded, not moved, gradients not reduced. As in torch, one set
+            may go to every call of a walk (``keep = {model.norm.weight}``, then ``ignored_params=keep`` for each
+            block and for the model): a call leaves out those it would shard and passes over the rest, so a parameter
+            under a nested call's module is that call's to ignore. The root's first forward refuses a tensor in the
+            set that is no module's parameter (e.g. an EMA copy), and a trainable parameter of the enclosing model
+            that no call shards or ignores (a forgotten ``fully_shard(model)``).
         dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every parameter a DTensor on
             it, ``Replicate()`` on the data-parallel dims this names; fully_shard shards over ``shard`` (HSDP:
             replicates over ``replicate``) and the sharded parameters stay DTensors on the full mesh, laid out as
@@ -146,9 +149,12 @@ def fully_shard(
     check_options(mp_policy, offload_policy, reshard_after_forward)
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
     device = mesh_info.device
+    _warn_gloo_on_accelerator(mesh_info.shard.group, device)
     ignored = set(ignored_params or ())
     label = ", ".join(type(m).__name__ for m in modules)
-    _check_ignored(modules, ignored, label)
+    if odd := [x for x in ignored if not isinstance(x, torch.Tensor)]:
+        raise ValueError(f"fully_shard({label}): ignored_params must hold parameters, got a {type(odd[0]).__name__} ({odd[0]!r:.60}); "
+                         "pass the parameters themselves, e.g. ignored_params={model.norm.weight}")
 
     found = _collect_params(modules, ignored)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -221,19 +227,6 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
         if getattr(m, STATE_ATTR, None) is not None:
             raise ShardedUsageError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
     return modules
-
-
-def _check_ignored(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter], label: str) -> None:
-    """Every ignored parameter must be one of the modules' parameters."""
-    if not ignored:
-        return
-    known = {id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False)}
-    stray = [p for p in ignored if id(p) not in known]
-    if stray:
-        what = ", ".join(f"a {type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p) for p in stray)
-        raise ValueError(f"fully_shard({label}): ignored_params holds {len(stray)} tensor(s) that are not parameters of the module(s): "
-                         f"{what}. Pass parameters of the module being sharded "
-                         "(e.g. {module.bias}); a parameter replaced since it was collected is no longer the module's.")
 
 
 def _paths(module: nn.Module) -> dict[int, str]:
@@ -618,7 +611,7 @@ class FSDPModule:
         """
         for group in self._groups(recurse=False):
             pg, device = group.mesh_info.shard.group, group.device
-            found = pg._get_backend(device).name() if has_streams(device) else "no accelerator"
+            found = _backend_name(pg, device)
             if found.lower() != backend.lower():
                 raise NotImplementedError(f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory needs a "
                                           f"{backend} process group on an accelerator, but this module has {found} on {device}. It "
@@ -628,6 +621,28 @@ class FSDPModule:
             group.all_gather_comm = PoolComm(pg, backend)
             if group.force_sum_reduction:  # symmetric reduce-scatters only sum (NCCL 2.29), as in torch
                 group.reduce_scatter_comm = PoolComm(group.reduce_scatter_groups.get(id(group.mesh_info), pg), backend)
+
+
+def _backend_name(pg: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend ``pg`` runs ``device``'s tensors with (gloo for a gloo group carrying accelerator tensors), or
+    "no accelerator" for a device without streams."""
+    return pg._get_backend(device).name() if has_streams(device) else "no accelerator"
+
+
+def _warn_gloo_on_accelerator(pg: dist.ProcessGroup, device: torch.device) -> None:
+    """Said at the call, because the crash it foretells leaves no traceback: fully_shard's collectives run on gloo with
+    accelerator tensors (gloo copies through the host), torch's functional all-gather does not (pytorch/pytorch#152645:
+    no accelerator path in gloo's allgather_into_tensor_coalesced; SIGSEGV on every rank in the first GPU run)."""
+    try:
+        if _backend_name(pg, device) != "gloo":
+            return
+    except RuntimeError:  # no backend registered for this device (a fake group, as the planner's)
+        return
+    warnings.warn(f"fully_shard: the mesh's process group carries {device} tensors over gloo. fully_shard trains there "
+                  "(gloo copies them through the host, slowly), but DTensor.full_tensor(), redistribute(...Replicate()) "
+                  "and full state dicts of these parameters kill the process with SIGSEGV and no traceback (torch's gloo, "
+                  "pytorch/pytorch#152645). Use NCCL with one rank per device: init_process_group('nccl'), and torchrun "
+                  "--nproc-per-node at most the device count.", stacklevel=3)
 
 
 def _check_own_comms(module: FSDPModule, method: str, group: ParamGroup, symmetric: bool) -> None:

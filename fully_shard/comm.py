@@ -195,6 +195,10 @@ class PoolComm:
     def __init__(self, group: dist.ProcessGroup, symm_backend: str | None = None) -> None:
         self.group, self.symmetric = group, symm_backend is not None
         if symm_backend is not None:
+            if not hasattr(symm_mem, "get_mem_pool"):  # at the call, not at the first all-gather's allocation
+                raise NotImplementedError(f"symmetric-memory buffers need torch.distributed._symmetric_memory.get_mem_pool, "
+                                          f"which torch {torch.__version__} lacks (torch 2.13 has it): upgrade torch, or "
+                                          "leave set_symm_mem_for_comm out (it changes where buffers live, not the results)")
             symm_mem.set_backend(symm_backend)  # type: ignore[arg-type]
             dist.barrier(group=group)  # the communicator must exist before the first rendezvous
 
@@ -240,6 +244,7 @@ def all_gather(shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks
     return CollectiveWork(work, inp, out, ranks.size, what, event)
 
 
+@torch.no_grad()
 def copy_out(work: CollectiveWork, shard_numels: list[int], dests: list[torch.Tensor]) -> None:
     """Wait for an all-gather, then copy its flat output into each parameter's unsharded buffer.
 

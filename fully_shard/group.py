@@ -61,8 +61,7 @@ class ParamGroup:
         self.label = label  # the module(s) of the fully_shard call, for messages and traces
         self.post_forward: dict[int, comm.Ranks] = {}  # while POST_FORWARD: per mesh (id), the k ranks holding slices
         self.state = GroupState.SHARDED
-        self._gather_buckets = _buckets([p for p in params if not p.extension], lambda p: p.unsharded_dtype)
-        self._ext = _buckets([p for p in params if p.extension], lambda p: torch.uint8)  # subclasses gathering themselves
+        self._split_buckets()  # _gather_buckets by unsharded dtype and mesh; _ext by mesh: local tensors gathering themselves
         self._ext_slots: list[list[int]] = []  # their inputs' per-rank slots, in bytes, per bucket
         self._all_gathers: list[comm.CollectiveWork] = []  # in flight while UNSHARDING
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
@@ -84,6 +83,10 @@ class ParamGroup:
         self.needs_post_backward = False  # set by pre-forward under grad mode; cleared once post-backward has run
         self.reduce_at_end = False  # skipped on some rank (reduce_scatter_unused_params): reduced in finalize_backward
 
+    def _split_buckets(self) -> None:
+        self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
+        self._ext = _buckets([p for p in self.params if p.extension], lambda p: torch.uint8)
+
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
         self.state = state if reset else next_state(self.label, self.state, state)
 
@@ -99,7 +102,7 @@ class ParamGroup:
         if self.state in (GroupState.SHARDED, GroupState.POST_FORWARD):
             streams = self._streams()
             streams.release_all_gather()  # the copy-in stream may now reuse the last output
-            with streams.use("copy_in"):  # pack, then issue from there: the collective waits for it
+            with streams.use("copy_in"), torch.no_grad():  # pack, then issue from there: the collective waits for it
                 self._all_gathers = self._issue_all_gathers()
             self._move_to(GroupState.UNSHARDING)
         if not async_op:
@@ -112,10 +115,13 @@ class ParamGroup:
         def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, ranks: comm.Ranks) -> comm.CollectiveWork:
             return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label, self.all_gather_comm)
 
+        # which parameters gather themselves is looked up afresh (hooks patched on later); not for kept slices
+        if not self.post_forward and any([p.refresh_extension() for p in self.params]):
+            self._split_buckets()
         works = []
         for b in self._gather_buckets:
             pf = self.post_forward.get(id(b[0].mesh_info))
-            shards = [p.post_forward_slice if pf else p.flat_shard() for p in b]
+            shards = [p.post_forward_slice if pf else p.all_gather_input() for p in b]
             numels = [p.unsharded_numel // pf.size if pf else p.shard_numel for p in b]
             what = f"all-gather of {self.label}'s parameters" + (f" within {pf.size} ranks, for backward" if pf else "")
             works.append(gather(shards, numels, b[0].unsharded_dtype, what, pf or b[0].mesh_info.shard))
@@ -183,8 +189,9 @@ class ParamGroup:
 
     def _hold_all_gathers(self) -> None:
         """The all-gather buffers were last used on the current stream: keep them until the copy-in stream has waited
-        for that use (no-op without streams)."""
-        self._streams().hold_all_gather(*(t for w in self._all_gathers for t in (w.input, w.output)))
+        for that use (no-op without streams). Over one rank the buffers are the shards copied out, which the copy-in
+        stream made when they were offloaded."""
+        self._streams().hold_all_gather(*(t for w in self._all_gathers for t in (w.input, w.output, *w.shards)))
         self._all_gathers = []
 
     def reset(self) -> None:
@@ -208,7 +215,7 @@ class ParamGroup:
         """Follow dtype changes made by ``Module._apply`` (``model.double()``)."""
         for p in self.params:
             p.refresh_after_apply()
-        self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
+        self._split_buckets()
 
     def has_unsharded_grads(self) -> bool:
         """Whether a backward left gradients on the full parameters that no reduction took."""
@@ -282,6 +289,7 @@ class ParamGroup:
         stream; then the current stream waits for it, so the optimizer sees the gradients and the held unsharded
         gradients may be freed."""
         streams = self._streams()
+        to_host = False  # offloaded gradients copied to pinned memory without blocking
         with streams.use("reduce_scatter"):
             for work, params in pending.reductions:
                 info = params[0].mesh_info
@@ -299,8 +307,11 @@ class ParamGroup:
                     streams.detour(self.all_reduce_hook_stream, lambda: hook(output))
                 if work.post_divide is not None and work.post_divide != 1:
                     output.div_(work.post_divide)
-                accumulate_sharded_grads(params, reduced_parts(params, output))
-        streams.current_waits(streams.record("reduce_scatter"))
+                to_host |= accumulate_sharded_grads(params, reduced_parts(params, output))
+        done = streams.record("reduce_scatter")
+        streams.current_waits(done)
+        if to_host:
+            streams.host_waits(done)
         pending.held = []
 
 
@@ -320,3 +331,7 @@ class PendingReduce:
     reductions: list[tuple[comm.ReduceScatterWork, list[ShardedParam]]]
     all_reduce: bool  # HSDP: whether to all-reduce across replicas when it lands (requires_all_reduce)
     held: list[torch.Tensor]  # the unsharded gradients, read on the reduce-scatter stream
+
+    def runs_hooks(self) -> bool:
+        """Whether finishing it runs post-accumulate-grad hooks (an optimizer stepping in backward)."""
+        return any(p.sharded_param._post_accumulate_grad_hooks for _, params in self.reductions for p in params)

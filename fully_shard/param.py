@@ -104,6 +104,8 @@ class ShardedParam:
         self._set_dtypes(param.dtype)
         # offloading keeps the sharded parameter (and so its grad and optimizer state) on the CPU
         self.shard_device = torch.device("cpu") if offload else device
+        self.offload = offload
+        self.pin_memory = offload and pin_memory  # as asked: shards kept pinned, gradients come back without blocking
 
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         if mesh_info.spmd_mesh is not None:
@@ -112,8 +114,6 @@ class ShardedParam:
         self.size = data.shape  # of the (TP-local) tensor that is gathered
         if shard_dim < 0:
             shard_dim += data.dim()
-        # a tensor subclass that all-gathers itself (torch's fsdp_pre/post_all_gather contract)
-        self.extension = _uses_extension(data, fqn)
         self._ext_meta: Any = None  # fsdp_pre_all_gather's metadata, until post-all-gather
         self._ext_sizes: list[torch.Size] = []  # all-gather inputs' shapes, dim 0 padded
         self._ext_dtypes: list[torch.dtype] = []
@@ -136,8 +136,8 @@ class ShardedParam:
         self.shard_numel = layout.slot_numel if shard_dim == 0 else src.numel()  # every rank's slot, dim 0 padded
 
         target = torch.device("meta") if param.is_meta else self.shard_device
-        pin = pin_memory and offload and target.type == "cpu" and torch.accelerator.is_available()
-        if self.extension:  # keep the subclass: its own ops make the shard
+        pin = target.type == "cpu" and self._pins()
+        if _is_subclass(data):  # keeps its type in the shard: its own ops (slice, clone) make it
             local = src.to(target).clone()
             if type(local) is not type(data):
                 raise NotImplementedError(
@@ -151,6 +151,9 @@ class ShardedParam:
                 local.copy_(src)
         self._spec = self._sharded_spec(param)
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local), requires_grad=param.requires_grad)
+        # whether the local tensor gathers itself (torch's fsdp_pre/post_all_gather contract): decided at the call, then
+        # again at every all-gather (refresh_extension), since hooks may be patched onto the local tensor later
+        self.extension = _has_hooks(local, fqn)
         self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
         self._gather_out: torch.Tensor | None = None  # (N, ...) view of it that the all-gather's copy-out fills
         self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (local shard, its 1-D view)
@@ -165,6 +168,10 @@ class ShardedParam:
         self.owner = owner
         self.sharded_param.__dict__[OWNER_ATTR] = owner
 
+    def _pins(self) -> bool:
+        """Whether offloaded shards are kept in pinned host memory: if asked, and an accelerator can pin."""
+        return self.pin_memory and torch.accelerator.is_available()
+
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
         self.unsharded_dtype, self.reduce_dtype = param_dtypes(dtype, self.mp_policy)  # all-gather and compute; reduce-scatter
@@ -172,8 +179,12 @@ class ShardedParam:
     def refresh_after_apply(self) -> None:
         """After ``to_empty()`` / ``to()`` / ``.double()``: keep offloaded shards on the CPU, and follow a new dtype."""
         local = self.local_shard
-        if not local.is_meta and local.device != self.shard_device:
-            moved = nn.Parameter(self.to_sharded_dtensor(local.to(self.shard_device)), requires_grad=self.sharded_param.requires_grad)
+        kept = local if local.is_meta else local.to(self.shard_device)
+        # a new host tensor (to_empty(device="cpu")) is pinned again; a subclass's shard is never pinned
+        if not kept.is_meta and self._pins() and not _is_subclass(kept) and not kept.is_pinned():
+            kept = kept.pin_memory()
+        if kept is not local:
+            moved = nn.Parameter(self.to_sharded_dtensor(kept), requires_grad=self.sharded_param.requires_grad)
             torch.utils.swap_tensors(self.sharded_param, moved)
         self.set_owner(self.owner)  # Module._apply swaps DTensor parameters, attributes too
         dtype = self.local_shard.dtype
@@ -228,6 +239,14 @@ class ShardedParam:
         if self._flat[0] is not local:
             self._flat = (local, local.view(-1) if local.is_contiguous() else None)
         return self._flat[1] if self._flat[1] is not None else local.reshape(-1)
+
+    def all_gather_input(self) -> torch.Tensor:
+        """This rank's part, 1-D, on the compute device. An offloaded shard is moved there in its own dtype without
+        blocking (from pinned memory: an asynchronous copy on the current stream), so that the cast to the all-gather
+        dtype runs on the device: a blocking copy that casts would cast on the host into a new pageable tensor, then
+        copy that and wait for the device, once per parameter."""
+        flat = self.flat_shard()
+        return flat.to(self.device, non_blocking=True) if self.offload else flat
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full (TP-local) tensor shaped like the parameter."""
@@ -325,6 +344,11 @@ class ShardedParam:
 
     def keep_post_forward_slice(self, k: int, index: int) -> None:
         """Keep this rank's 1/k of the padded full parameter before it is freed."""
+        if self.extension:  # hooks patched on after the call, which refuses the int for those it sees (as torch)
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} all-gathers itself (fsdp_pre_all_gather on its local tensor), "
+                "which reshard_after_forward=<int> does not support; pass True or False to its fully_shard call"
+            )
         assert self._padded_unsharded is not None
         self.post_forward_slice = self._padded_unsharded.view(k, -1)[index].clone()
 
@@ -351,14 +375,35 @@ class ShardedParam:
         for t in (self._ext_outputs or []) + self._ext_inner:
             t.untyped_storage().resize_(0)
 
-    # -- tensor subclasses that all-gather themselves ------------------------------------
+    # -- local tensors that all-gather themselves ------------------------------------
+
+    def refresh_extension(self) -> bool:
+        """Look the all-gather hooks up on the local tensor again, as torch's FSDP2 does at every all-gather (they may
+        have been patched onto it after ``fully_shard`` or ``to_empty()``, or the tensor swapped); whether that changed
+        the decision, in which case the unsharded tensors the other way built are dropped. Only while sharded."""
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        if type(local) is torch.Tensor and not hasattr(local, "fsdp_pre_all_gather"):
+            ext = False  # the common case, in one lookup (fsdp_post_all_gather alone goes unnoticed, as in torch)
+        elif not (ext := _has_hooks(local, self.fqn)) and _is_subclass(local):
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} is a {type(local).__name__}, a tensor subclass without "
+                "fsdp_pre_all_gather / fsdp_post_all_gather at its all-gather: gathering it would silently give a "
+                "plain tensor. Define both (torch's FSDP2 all-gather extension contract) on its class, or on its local "
+                "tensor (param._local_tensor, after to_empty()) before the first forward; or keep it out with ignored_params."
+            )
+        if ext == self.extension:
+            return False
+        self.extension = ext
+        self._padded_unsharded = self._gather_out = self.unsharded_param = self._ext_outputs = None
+        self._ext_inner = []
+        return True
 
     def ext_all_gather_inputs(self) -> tuple[list[torch.Tensor], list[int]]:
-        """Call the subclass's ``fsdp_pre_all_gather``: its inputs (1-D, as bytes) and each
+        """Call the local tensor's ``fsdp_pre_all_gather``: its inputs (1-D, as bytes) and each
         one's per-rank slot in bytes (dim 0 padded like the parameter's rows)."""
         local = self.local_shard
         if local.device != self.device:
-            local = local.to(self.device)
+            local = local.to(self.device, non_blocking=True)  # see all_gather_input
         pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
         info = self.mesh_info
         mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[info.shard_mesh_dim]]  # type: ignore[index]
@@ -388,7 +433,7 @@ class ShardedParam:
                 for t, s in zip(self._ext_outputs, self._ext_sizes)]
 
     def ext_post_all_gather(self) -> None:
-        """Call the subclass's ``fsdp_post_all_gather``: it builds the unsharded (TP-local)
+        """Call the local tensor's ``fsdp_post_all_gather``: it builds the unsharded (TP-local)
         parameter the first time, and refills it in place (``out=``) afterwards."""
         assert self._ext_outputs is not None
         d = self.shard_dim  # the ranks' parts lie side by side on it
@@ -442,21 +487,43 @@ class ShardedParam:
         return full.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
 
 
-def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> None:
-    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set it."""
+def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> bool:
+    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set it,
+    then run the sharded parameter's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: autograd never
+    reaches the sharded parameter, so this is where its gradient is accumulated). As in torch's FSDP2, each parameter's
+    hooks run once its own gradient is in ``.grad``, before the next parameter's is.
+
+    Offloaded gradients are cast where the part is (the device), then moved to the host: without blocking, into pinned
+    memory, where the policy pins and nothing on the host reads them before the end of backward (no gradient to add to,
+    no post-accumulate-grad hook). Returns whether such a copy was issued: the host must wait for it (``Streams``)."""
     adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    pending_copy = False
     for p, part in zip(params, parts):
-        local = part.view(p.local_shape)
-        if p.dtype != part.dtype or p.shard_device != part.device:
-            local = local.to(device=p.shard_device, dtype=p.dtype)
-        grad = p.sharded_param.grad
+        local = part.view(p.local_shape).to(p.dtype)
+        param = p.sharded_param
+        grad, hooks = param.grad, param._post_accumulate_grad_hooks
+        if p.offload:
+            non_blocking = p.pin_memory and grad is None and not hooks
+            local = local.to(p.shard_device, non_blocking=non_blocking)
+            pending_copy |= non_blocking
         if grad is None:
-            p.sharded_param.grad = p.to_sharded_dtensor(local)
+            param.grad = p.to_sharded_dtensor(local)
         else:
             adds[0].append(cast(DTensor, grad)._local_tensor)
             adds[1].append(local)
+        if hooks:
+            _add(adds)  # this gradient and the earlier ones in place first
+            for hook in hooks.values():
+                hook(param)
+    _add(adds)
+    return pending_copy
+
+
+def _add(adds: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
     if adds[0]:
         torch._foreach_add_(*adds)
+        adds[0].clear()
+        adds[1].clear()
 
 
 def reduced_parts(params: list[ShardedParam], flat: torch.Tensor) -> list[torch.Tensor]:
@@ -489,16 +556,18 @@ def _alloc_storage(t: torch.Tensor) -> None:
         storage.resize_(int(nbytes))
 
 
-def _uses_extension(data: torch.Tensor, fqn: str) -> bool:
-    """Whether ``data`` is a tensor subclass that all-gathers itself; raise for one that sharding would make plain."""
-    if getattr(type(data), "__torch_dispatch__", None) is torch.Tensor.__torch_dispatch__:
-        return False  # plain data (nn.Parameter and its subclasses)
-    has = [hasattr(data, "fsdp_pre_all_gather"), hasattr(data, "fsdp_post_all_gather")]
-    if not all(has):
+def _is_subclass(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor subclass with its own ``__torch_dispatch__`` (nn.Parameter and the like are plain)."""
+    return getattr(type(t), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
+
+
+def _has_hooks(t: torch.Tensor, fqn: str) -> bool:
+    """Whether ``t`` (a local shard) all-gathers itself: both hooks, on its class or on the instance."""
+    pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
+    if pre != post:
+        has, lacks = ("fsdp_pre_all_gather", "fsdp_post_all_gather")[:: 1 if pre else -1]
         raise NotImplementedError(
-            f"fully_shard: parameter {fqn!r} is a {type(data).__name__}, a tensor subclass "
-            f"{'with only one of' if any(has) else 'without'} fsdp_pre_all_gather / "
-            "fsdp_post_all_gather: sharding it would turn it into a plain tensor. Define both "
-            "(torch's FSDP2 all-gather extension contract), or keep it out with ignored_params."
+            f"fully_shard: the local tensor of parameter {fqn!r} (a {type(t).__name__}) has {has} but not {lacks}: "
+            "define both (torch's FSDP2 all-gather extension contract), or neither"
         )
-    return True
+    return pre

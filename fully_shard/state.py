@@ -26,12 +26,13 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function as _record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import Ranks, all_reduce
 from .group import GroupState, ParamGroup, PendingReduce
-from .param import ShardedParam
+from .param import OWNER_ATTR, ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import Streams
 
@@ -108,9 +109,12 @@ class RootContext:
                     # ran: a backward over part of the graph (a chunked loss) settles every group, then a later one reaches it
                     group.reduce_at_end = False
                     state.post_backward(self)
-            if self.is_last_backward:
+            # not the last backward (pipelining's microbatches): reductions may overlap the next forward, but not one
+            # whose hooks step an optimizer: torch's FSDP2 runs them within this backward, before that forward
+            if self.is_last_backward or any(p.runs_hooks() for p in self.pending):
                 with torch.no_grad():
                     self.finish_reduce()
+            self.streams.wait_host()  # offloaded gradients in pinned memory: copied before the optimizer reads them
             for state in self.states:
                 state.move_to(TrainingState.IDLE)
                 state.to_run.clear()  # passes opened by members called on their own
@@ -272,6 +276,7 @@ class FSDPState:
             p.pick_up_replacement(managed)
             p.check_materialized()
         self._check_enclosing_model()
+        self._check_ignored(list(names))
         return ctx
 
     def _check_enclosing_model(self) -> None:
@@ -285,8 +290,10 @@ class FSDPState:
                 outer = obj
         if outer is None:
             return
-        known: set[int] = set()  # the parameters some fully_shard call shards or ignores
+        known: set[int] = set()  # the parameters some fully_shard call shards or ignores, or DDP averages
         for sub in outer.modules():
+            if isinstance(sub, DistributedDataParallel):
+                known.update(id(p) for n, p in sub.module.named_parameters() if n not in sub.parameters_to_ignore)
             state = getattr(sub, STATE_ATTR, None)
             if state is not None:
                 known.update(id(p) for p in state.ignored_params)
@@ -302,6 +309,31 @@ class FSDPState:
                                "would never be averaged across ranks, so every rank would train its own copy. Call fully_shard on "
                                f"the {type(outer).__name__} too, after its blocks (e.g. `fully_shard(model)` last); parameters "
                                "synchronised by other means go in that call's ignored_params.")
+
+    def _check_ignored(self, states: list[FSDPState]) -> None:
+        """Refuse an ignored tensor that is no module's parameter (e.g. an EMA copy of one): it leaves nothing out of
+        sharding. Decided here, where the whole model is known: torch's idiom passes one set to every call, so a call's
+        set also holds other calls' parameters (some replaced by the sharded ones), and other roots'."""
+        left = {id(t): t for s in states for t in s.ignored_params if OWNER_ATTR not in t.__dict__}
+        for p in (p for m in self.modules for p in m.parameters()) if left else ():
+            left.pop(id(p), None)
+        if left:  # another model's parameters, maybe: a scan of every live object (rare)
+            import gc
+
+            for obj in gc.get_objects():
+                if issubclass(type(obj), nn.Module):
+                    for p in obj._parameters.values():
+                        left.pop(id(p), None)
+        if not left:
+            return
+        calls = [s._name() for s in states if any(id(t) in left for t in s.ignored_params)]
+        buffers = {id(b): n for m in self.modules for n, b in m.named_buffers(remove_duplicate=False)}
+        shown = "; ".join(f"a {type(t).__name__} of shape {tuple(t.shape)}, {t.dtype}{_known_as(t, buffers)}" for t in left.values())
+        raise ValueError(f"fully_shard: ignored_params of the call on {', '.join(calls[:3])}{' ...' if len(calls) > 3 else ''} holds "
+                         f"{len(left)} tensor(s) that are not a parameter of any module: {shown}. ignored_params keeps a parameter "
+                         "out of sharding only when it holds that very object: a copy of one (an EMA or state-dict copy) or a "
+                         "buffer leaves everything sharded. Pass the module's own parameters, e.g. "
+                         "ignored_params={model.norm.weight}, or drop these from the set.")
 
     # -- forward -----------------------------------------------------------------------
 
@@ -512,6 +544,22 @@ class FSDPState:
             self.group.unshard()
 
 
+def _known_as(t: torch.Tensor, buffers: dict[int, str]) -> str:
+    """`` (the buffer 'x')``, `` (held as 'k' in a dict)`` or nothing: a name for an ignored tensor in a message (not a
+    local variable's: the stack's frames are left out)."""
+    if id(t) in buffers:
+        return f" (the buffer {buffers[id(t)]!r})"
+    import gc
+
+    frames = {id(frame.f_locals) for frame in _stack()}
+    for d in gc.get_referrers(t):
+        if type(d) is dict and id(d) not in frames:
+            key = next((k for k, v in d.items() if v is t and isinstance(k, str)), None)
+            if key is not None:
+                return f" (held as {key!r} in a dict)"
+    return ""
+
+
 def _on_grad(output: Any, fn: Callable[[], None]) -> None:
     """Call ``fn`` whenever a gradient reaches a tensor of ``output`` that requires grad."""
 
@@ -599,12 +647,17 @@ def _floating_cast(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]
     return lambda t: t.to(dtype) if t.is_floating_point() else t
 
 
-def callers_self() -> Iterator[Any]:
-    """The ``self`` of every frame on the Python stack, innermost first (None where there is none)."""
+def _stack() -> Iterator[FrameType]:
+    """The frames on the Python stack, innermost first."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        yield frame.f_locals.get("self")
+        yield frame
         frame = frame.f_back
+
+
+def callers_self() -> Iterator[Any]:
+    """The ``self`` of every frame on the Python stack, innermost first (None where there is none)."""
+    return (frame.f_locals.get("self") for frame in _stack())
 
 
 def state_of(module: nn.Module) -> FSDPState:

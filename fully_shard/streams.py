@@ -25,6 +25,7 @@ class Backend(Protocol):
     def wait_stream(self, waiter: Any, waited: Any) -> None: ...
     def record_event(self, stream: Any) -> Any: ...
     def wait_event(self, stream: Any, event: Any) -> None: ...
+    def synchronize(self, event: Any) -> None: ...
 
 
 class _TorchBackend:
@@ -47,6 +48,9 @@ class _TorchBackend:
 
     def wait_event(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
 
 
 def has_streams(device: torch.device) -> bool:
@@ -75,6 +79,7 @@ class Streams:
             self.copy_in = backend.new_stream(device, "copy_in")
             self.reduce_scatter = backend.new_stream(device, "reduce_scatter")
         self._held_all_gather: tuple[tuple[Any, ...], Any] | None = None  # (buffers, event): see hold_all_gather
+        self._host_event: Any = None  # see host_waits
 
     def current(self) -> Any:
         return self.backend.current_stream(self.device) if self.backend is not None else None
@@ -122,6 +127,17 @@ class Streams:
         held, self._held_all_gather = self._held_all_gather, None
         if held is not None and self.backend is not None:
             self.backend.wait_event(self.copy_in, held[1])
+
+    def host_waits(self, event: Any) -> None:
+        """The host will wait for ``event`` at ``wait_host`` (the end of backward): it follows copies into pinned host
+        memory (offloaded gradients) that nothing may read before. A later event on the same stream replaces it."""
+        self._host_event = event
+
+    def wait_host(self) -> None:
+        """Block the host until the event of ``host_waits`` has happened (no-op without one)."""
+        event, self._host_event = self._host_event, None
+        if event is not None and self.backend is not None:
+            self.backend.synchronize(event)
 
     def wait_for_optimizer(self, post_optim_event: Any) -> None:
         """The first copy-in of an iteration waits for the optimizer step: for the user's

@@ -35,6 +35,12 @@ Design:
   :func:`device_type` / :func:`mesh` instead of writing ``"cpu"``, and mark what cannot
   run there with :func:`skip_on_accelerator`. Unset (the default), everything is CPU/gloo
   exactly as before.
+* Ranks sharing a device over gloo (under the switch, fewer devices than ranks): torch's
+  functional all-gather (``DTensor.full_tensor()``, ``redistribute`` to ``Replicate``) reaches
+  gloo's ``allgather_into_tensor_coalesced``, which has no accelerator path and kills every
+  rank with SIGSEGV, no traceback (pytorch/pytorch#152645). The workers refuse that op with a
+  Python error instead (fully_shard's own collectives do run there), and a call that fails only
+  with it is skipped, saying the world size needs a device per rank.
 * If any rank raises, dies, or the deadline passes, the call fails with a
   :class:`DistributedTestFailure` (an ``AssertionError``) naming every failed
   or hung rank with its full traceback, and the pool is discarded: the next
@@ -63,10 +69,13 @@ from typing import Any
 __all__ = [
     "DEVICE_ENV",
     "DistributedTestFailure",
+    "GLOO_ALL_GATHER_REFUSED",
     "backend_for",
     "device",
     "device_type",
+    "gloo_skip_reason",
     "mesh",
+    "refuse_gloo_functional_all_gather",
     "run_distributed",
     "shutdown_pools",
     "skip_on_accelerator",
@@ -137,6 +146,44 @@ def backend_for(dev_type: str, world_size: int, device_count: int) -> str:
     import torch.distributed as dist
 
     return f"cpu:gloo,{dev_type}:{dist.get_default_backend_for_device(dev_type)}"
+
+
+# The text of the error a rank raises instead of gloo's SIGSEGV (see the module docstring).
+GLOO_ALL_GATHER_REFUSED = "gloo has no accelerator path for the functional all-gather"
+_REFUSALS: list[Any] = []  # a worker's registrations, alive as long as it serves
+
+
+def refuse_gloo_functional_all_gather(dev_type: str) -> Any:
+    """In a rank whose process group carries ``dev_type`` tensors over gloo: make torch's functional all-gather
+    (``_c10d_functional.all_gather_into_tensor[_coalesced]``, as ``DTensor.full_tensor()`` calls it) raise a Python
+    error for ``dev_type`` tensors, where gloo would copy device pointers on the host and die of SIGSEGV. Returns the
+    registration (keep it alive). The c10d collectives (``all_gather_into_tensor``, ...) are untouched: gloo has an
+    accelerator path for those."""
+    import torch
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{GLOO_ALL_GATHER_REFUSED} ({dev_type} tensors: DTensor.full_tensor(), redistribute to Replicate): it "
+            "would die of SIGSEGV (pytorch/pytorch#152645); refused by tests/harness.py. Give each rank a device of "
+            "its own (NCCL)"
+        )
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    for op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):  # a kernel for this device's key only
+        lib.impl(op, refuse, dev_type.upper())
+    return lib
+
+
+def gloo_skip_reason(failures: dict[int, str], world_size: int) -> str | None:
+    """Why a call that failed on ``failures`` (rank -> traceback) is a skip rather than a failure: every failed rank
+    hit the refused all-gather (a world of ranks sharing a device over gloo). None: a real failure."""
+    if not failures or not all(GLOO_ALL_GATHER_REFUSED in text for text in failures.values()):
+        return None
+    return (
+        f"{DEVICE_ENV}={device_type()}: world size {world_size} needs {world_size} {device_type()} devices (one per rank, "
+        f"NCCL); with fewer the ranks share one over gloo, whose functional all-gather (DTensor.full_tensor, "
+        f"redistribute) has no {device_type()} path and dies of SIGSEGV (pytorch/pytorch#152645)"
+    )
 
 
 def skip_on_accelerator(reason: str) -> Any:
@@ -309,6 +356,8 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_PG_TIMEOUT)
         state = {"generation": 0}
         _init_default_group(store, state["generation"], rank, world_size)
+        if on_accelerator() and dist.get_backend() == "gloo":  # ranks share a device: an error, not gloo's SIGSEGV
+            _REFUSALS.append(refuse_gloo_functional_all_gather(device_type()))
     except BaseException:
         conn.send((_MSG_ERR, "worker start-up failed:\n" + traceback.format_exc()))
         _flush_std_streams()
@@ -596,6 +645,11 @@ def run_distributed(
         return [results[r] for r in range(world_size)]
 
     unfinished = sorted(pending.values())
+    reason = gloo_skip_reason(failures, world_size)
+    if reason is not None:
+        import pytest
+
+        pytest.skip(f"{what}: {reason}")
     lines: list[str] = []
     if failures:
         ranks = sorted(failures)

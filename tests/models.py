@@ -40,9 +40,14 @@ class Transformer(Llama):
     """Llama-style; ``logit_scale`` has dim 0 of size 1, smaller than any world size > 1."""
 
     def __init__(self, args: ModelArgs | None = None) -> None:
-        super().__init__(args or ModelArgs())
-        self.register_buffer("pos", self._positions(), persistent=False)
-        self.logit_scale = nn.Parameter(torch.ones(1))
+        # drawn by the CPU generator, then moved to the default device (the harness's accelerator, under the switch):
+        # the same initial parameters on every device, so a test's CPU-tuned magnitudes hold there too (meta: as is)
+        target = torch.get_default_device()
+        with torch.device("cpu" if target.type != "meta" else target):
+            super().__init__(args or ModelArgs())
+            self.register_buffer("pos", self._positions(), persistent=False)
+            self.logit_scale = nn.Parameter(torch.ones(1))
+        self.to(target)
 
     def _positions(self) -> torch.Tensor:
         return torch.linspace(0, 1, self.args.max_seq_len).unsqueeze(-1)  # (T, 1)

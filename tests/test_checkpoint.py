@@ -522,10 +522,15 @@ def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, start: int, stop:
         opt.zero_grad()
 
 
+def _rng() -> Any:
+    """The generator dropout draws from: the CPU's, or this rank's accelerator's under the switch."""
+    return torch if device().type == "cpu" else torch.get_device_module(device())
+
+
 def _training_state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, opt)
     # each rank has its own RNG stream: one key per rank, each rank loads back its own
-    return {"model": model_sd, "optim": optim_sd, "step": step, f"rng_rank{dist.get_rank()}": torch.get_rng_state()}
+    return {"model": model_sd, "optim": optim_sd, "step": step, f"rng_rank{dist.get_rank()}": _rng().get_rng_state()}
 
 
 def _exact_resume(path: str, n: int, k: int) -> None:
@@ -548,7 +553,7 @@ def _exact_resume(path: str, n: int, k: int) -> None:
     state = _training_state(model, opt, step=-1)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    torch.set_rng_state(state[f"rng_rank{rank}"])
+    _rng().set_rng_state(state[f"rng_rank{rank}"])
     assert state["step"] == k, state["step"]
     _train_steps(model, opt, state["step"], n)
     _assert_same(_full_model(model), expected)

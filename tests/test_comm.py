@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tests.collectives import CollectiveRecord, CollectiveRecorder, format_records, split_phases
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.torch_features import has_torch_feature
 
 N_LAYERS = 3
 N_GROUPS = N_LAYERS + 1  # one per block, one for the root's own parameters
@@ -109,16 +110,19 @@ def _recorder_selftest() -> str:
     names too), with its input's numel, dtype and op; the originals are back after exit."""
     import warnings
 
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single")}
+    single = hasattr(dist, "all_gather_single")  # torch 2.13's names for the tensor collectives
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor")}
     t = torch.ones(6)
     with CollectiveRecorder() as rec, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         dist.broadcast(t, src=0)
-        dist.all_gather_single(torch.empty(12), t)
+        if single:
+            dist.all_gather_single(torch.empty(12), t)
         dist.all_gather_into_tensor(torch.empty(12), t)
         dist.all_gather([torch.empty(6), torch.empty(6)], t)
-        dist.reduce_scatter_single(torch.empty(3), t.clone())
+        if single:
+            dist.reduce_scatter_single(torch.empty(3), t.clone())
         dist.reduce_scatter_tensor(torch.empty(3, dtype=torch.float64), t.double(), op=dist.ReduceOp.SUM)
         dist.reduce_scatter(torch.empty(2), [torch.ones(2), torch.ones(2)], op=dist.ReduceOp.MAX)
         rec.mark("subgroup")
@@ -280,10 +284,7 @@ def test_gradient_accumulation_no_sync_skips_reduce_scatter() -> None:
         torch.testing.assert_close(grad, theirs["grads"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_recorder_sees_each_collective_once() -> None:
-    tables = run_distributed(_recorder_selftest, 2)
-    assert tables[0] == tables[1]
-    expecttest.assert_expected_inline(tables[0], """\
+RECORDED = """\
 all_reduce      2  6  float32  AVG  all_reduce
 broadcast       2  6  float32       broadcast
 all_gather      2  6  float32       all_gather_single
@@ -294,4 +295,13 @@ reduce_scatter  2  6  float64  SUM  reduce_scatter_tensor
 reduce_scatter  2  4  float32  MAX  reduce_scatter
 -- subgroup --
 all_reduce      2  6  float32  SUM  all_reduce
-""")
+"""
+
+
+def test_recorder_sees_each_collective_once() -> None:
+    tables = run_distributed(_recorder_selftest, 2)
+    assert tables[0] == tables[1]
+    # torch 2.11 has no *_single names (the test then calls them nowhere): the same table without their two rows
+    expected = [line for line in RECORDED.splitlines(keepends=True) if has_torch_feature("dist.all_gather_single") or "_single" not in line]
+    assert tables[0] == "".join(expected), tables[0]
+

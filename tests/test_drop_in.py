@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import fully_shard as ours_pkg
 from tests.harness import device, device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.torch_features import has_torch_feature, requires_torch_feature, skip_without_torch_feature
 
 ARGS = ModelArgs(n_layers=2, dim=32, ffn_dim=48, vocab_size=37)
 
@@ -50,6 +51,7 @@ def _shape(obj: Any) -> list[tuple[str, Any, str]]:
     return [(p.name, p.kind, repr(p.default)) for p in sig.parameters.values()]
 
 
+@requires_torch_feature("DataParallelMeshDims", "ShardPlacementResult")  # torch 2.11: 8 names, other signatures
 def test_every_torch_fsdp2_name_exists_with_the_same_signature() -> None:
     import torch.distributed.fsdp as torch_fsdp
 
@@ -205,7 +207,9 @@ def _train_side_by_side(case: str) -> dict[str, Any]:
     }
 
 
-CASES = ["force_sum", "separate_rs_group", "max_input_buffers", "divide_factor", "custom_comms", "all_reduce_hook", "unshard_in_backward"]
+CASES = ["force_sum", pytest.param("separate_rs_group", marks=requires_torch_feature("FSDPModule.set_separate_reduce_scatter_group")),
+         pytest.param("max_input_buffers", marks=requires_torch_feature("FSDPModule.set_reduce_scatter_max_input_buffers")),
+         "divide_factor", "custom_comms", "all_reduce_hook", "unshard_in_backward"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -222,12 +226,16 @@ def test_comm_controls_match_torch_fsdp2(case: str) -> None:
 
 
 def _unsupported_calls() -> list[str]:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from fully_shard import fully_shard
 
-    model = fully_shard(nn.Linear(4, 4))
+    # a gloo group on the suite's device: on an accelerator it carries that device's tensors, and is still not NCCL
+    gloo = DeviceMesh.from_group(dist.new_group(backend="gloo"), device_type())
+    model = fully_shard(nn.Linear(4, 4), mesh=gloo)
     messages = []
     for call in (
-        lambda: model.set_symm_mem_for_comm(),  # gloo on the CPU (see test_comm_controls.py)
+        lambda: model.set_symm_mem_for_comm(),  # gloo (see test_comm_controls.py)
         lambda: model.set_reduce_scatter_max_input_buffers(0),
         lambda: model.set_custom_all_gather(object()),
     ):
@@ -242,6 +250,9 @@ def _unsupported_calls() -> list[str]:
 def test_unsupported_backend_features_raise_at_the_call() -> None:
     symm, buffers, comm = run_distributed(_unsupported_calls, 1)[0]
     assert "symmetric memory needs a NCCL process group" in symm and "not the results" in symm
+    # the backend that carries the module's tensors is named: gloo on an accelerator too (the first GPU run's world of
+    # one used NCCL, on which set_symm_mem_for_comm is rightly accepted; this group is gloo on purpose)
+    assert ("this module has gloo on cuda" if device_type() == "cuda" else "this module has no accelerator on cpu") in symm, symm
     assert "positive int" in buffers
     assert "allocate" in comm
 
@@ -348,7 +359,8 @@ def _moe(use_torch: bool) -> list[float]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_reduce_scatter_unused_params_with_per_rank_experts(world_size: int) -> None:
-    ours = run_distributed(_moe, world_size, False)
+    ours = run_distributed(_moe, world_size, False)  # checked against the unsharded model in the body
+    skip_without_torch_feature("FSDPModule.set_reduce_scatter_unused_params")
     theirs = run_distributed(_moe, world_size, True)
     # equal to torch FSDP2 on the same model on every rank: the same layout and the same gloo
     # reduce-scatter (zeros for the unused experts), so the same sums in the same order: bitwise
@@ -399,16 +411,26 @@ def _moe_meshes(layout: str, world: int, result: Any) -> tuple[Any, dict[str, An
     return mesh, {"shard_placement_fn": lambda p: result(Shard(0), info), **({"mesh": grid["efsdp"]} if sub else {})}
 
 
+def _ours_or_torch(use_torch: bool, placement_result: bool = False) -> tuple[Any, Any]:
+    """(fully_shard, ShardPlacementResult) of ours or torch's; torch's result type only where asked for (torch 2.13)."""
+    if not use_torch:
+        from fully_shard import ShardPlacementResult, fully_shard
+
+        return fully_shard, ShardPlacementResult
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    if not placement_result:
+        return torch_fully_shard, None
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as TorchResult
+
+    return torch_fully_shard, TorchResult
+
+
 def _skipping_moe(use_torch: bool, routes: list[list[list[int]]], prefetch: bool = True, layout: str = "fsdp",
                   accumulate: int = 1) -> Any:
     """Train on ``routes`` (each entry a microbatch; the optimizer steps after every ``accumulate``, the others run
     with gradient sync off); check the gradients and parameters against the unsharded model."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as TorchResult
-
-    from fully_shard import ShardPlacementResult, fully_shard
-
-    shard, result = (torch_fully_shard, TorchResult) if use_torch else (fully_shard, ShardPlacementResult)
+    shard, result = _ours_or_torch(use_torch, layout.startswith("experts"))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = SkippingMoE().to(device())
@@ -423,7 +445,7 @@ def _skipping_moe(use_torch: bool, routes: list[list[list[int]]], prefetch: bool
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     no_grad = []
     for step, route in enumerate(routes):
-        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device()) for r in range(world)]
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device()) for r in range(world)]
         sync = (step + 1) % accumulate == 0
         model.set_requires_gradient_sync(sync)
         try:
@@ -452,6 +474,8 @@ def _skipping_like_torch(world_size: int, *args: Any) -> list[Any]:
     """Ours, checked against the unsharded model in the body (gradients each step, parameters at the end), and where
     torch FSDP2 trains right, bitwise equal to it: the same gloo collectives on the same layouts, in another order."""
     ours = run_distributed(_skipping_moe, world_size, False, *args)
+    experts_mesh = len(args) > 2 and args[2].startswith("experts")
+    skip_without_torch_feature("FSDPModule.set_reduce_scatter_unused_params", *(["ShardPlacementResult"] if experts_mesh else []))
     theirs = run_distributed(_skipping_moe, world_size, True, *args)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert all(torch.equal(p, q) for p, q in zip(a[0], b[0])) and a[1] == b[1], f"rank {rank}"
@@ -557,16 +581,16 @@ def _spmd(case: str, use_torch: bool, torch_dims: bool = False, ckpt: str | None
     """Train the case's model 2 steps; with ``ckpt``, torch saves its parameters there (DCP)
     and ours loads them afterwards into zeroed parameters."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    from fully_shard import DataParallelMeshDims, fully_shard
+    from fully_shard import DataParallelMeshDims
 
     shape, names, tp, fields = SPMD_CASES[case]
-    shard, dims = (torch_fully_shard, TorchDims) if use_torch else (fully_shard, DataParallelMeshDims)
-    if torch_dims:
-        dims = TorchDims  # torch's own class passed to ours, as torchtitan does
+    shard, dims = _ours_or_torch(use_torch)[0], DataParallelMeshDims
+    if use_torch or torch_dims:  # torch's own class (torch 2.13), passed to ours too as torchtitan does
+        from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+
+        dims = TorchDims
     mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
     model = SpmdMLP(mesh, tp)
     for p in model.parameters():
@@ -603,6 +627,9 @@ def _spmd(case: str, use_torch: bool, torch_dims: bool = False, ckpt: str | None
 @pytest.mark.parametrize("case", list(SPMD_CASES))
 def test_dp_mesh_dims_matches_torch_fsdp2(case: str, tmp_path: Any) -> None:
     ckpt = str(tmp_path / "ckpt")
+    if not has_torch_feature("DataParallelMeshDims"):  # torch 2.11: ours trains, then the comparison is skipped
+        run_distributed(_spmd, 4, case, False)
+        skip_without_torch_feature("DataParallelMeshDims")
     theirs = run_distributed(_spmd, 4, case, True, ckpt=ckpt)
     ours = run_distributed(_spmd, 4, case, False, ckpt=ckpt)
     if case == "fsdp":  # torch's DataParallelMeshDims is accepted by ours and means the same (bitwise: same program)
@@ -672,15 +699,12 @@ EXPERT_CASES = {"hsdp_2x2": 0, "fsdp_2_dim1": 1}
 def _experts(
     case: str, use_torch: bool, as_mesh: bool = False, reshard: bool | int | None = None, subclass: bool = False
 ) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as TorchResult
 
-    from fully_shard import ShardPlacementResult, fully_shard
     from tests.collectives import CollectiveRecorder
     from tests.test_subclass_params import HalfGather, _full
 
-    shard, result = (torch_fully_shard, TorchResult) if use_torch else (fully_shard, ShardPlacementResult)
+    shard, result = _ours_or_torch(use_torch, placement_result=True)
     world = dist.get_world_size()
     main_hsdp = {"mesh_shape": (2, world // 2), "mesh_dim_names": ("rep", "shard")}
     mesh = init_device_mesh(device_type(), **main_hsdp) if case == "main_hsdp" else init_device_mesh(device_type(), (world,))
@@ -731,8 +755,6 @@ def _check_like_torch(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) 
 @pytest.mark.parametrize("case", list(EXPERT_CASES))
 def test_shard_placement_result_on_another_mesh_matches_torch_fsdp2(case: str) -> None:
     ours = run_distributed(_experts, 4, case, False)
-    theirs = run_distributed(_experts, 4, case, True)
-    _check_like_torch(ours, theirs)
     for rank, a in enumerate(ours):  # the experts live on their own mesh (the others on the 4-rank one)
         assert a["layout"][0][0] == "experts" and a["layout"][1][2] == [0, 1, 2, 3], a["layout"]
         assert a["layout"][0][2] == ([[0, 1], [2, 3]] if case == "hsdp_2x2" else [[0, 1], [2, 3]][rank // 2]), a["layout"]
@@ -741,6 +763,8 @@ def test_shard_placement_result_on_another_mesh_matches_torch_fsdp2(case: str) -
     for a, c in zip(ours, run_distributed(_experts, 4, case, False, True)):  # the mesh itself: the same program
         assert a["losses"] == c["losses"] and a["layout"] == c["layout"]
         assert all(torch.equal(p, q) for p, q in zip(a["params"], c["params"]))
+    skip_without_torch_feature("ShardPlacementResult")
+    _check_like_torch(ours, run_distributed(_experts, 4, case, True))
 
 
 # reshard_after_forward=2 on 4 ranks: each mesh of the call keeps its own 1/2 after forward
@@ -758,14 +782,16 @@ INT_COMMS = {
 @pytest.mark.parametrize("case", list(INT_COMMS))
 def test_int_reshard_after_forward_with_another_mesh_matches_torch_fsdp2(case: str) -> None:
     ours = run_distributed(_experts, 4, case, False, False, 2)
-    theirs = run_distributed(_experts, 4, case, True, False, 2)
-    _check_like_torch(ours, theirs)
-    for a, b in zip(ours, theirs):
+    for a in ours:
         # (kind, ranks, elements) of each collective of a step: the backward all-gather of the
         # mesh that kept 1/2 runs within 2 ranks, of 2 of its shards; torch's the same per phase
         # (it reduces the second mesh's group first)
         lines = [" ".join(line.split()) for line in a["comms"].replace("-- backward --", "--").splitlines()]
         assert lines == INT_COMMS[case], a["comms"]
+    skip_without_torch_feature("ShardPlacementResult")
+    theirs = run_distributed(_experts, 4, case, True, False, 2)
+    _check_like_torch(ours, theirs)
+    for a, b in zip(ours, theirs):
         phases = [[sorted(part.splitlines()) for part in t["comms"].split("-- backward --")] for t in (a, b)]
         assert phases[0] == phases[1], b["comms"]
 
@@ -775,20 +801,23 @@ def test_subclass_on_another_mesh_matches_torch_fsdp2(world_size: int, case: str
     """The experts all-gather themselves (HalfGather) on their own mesh: over its ranks, with
     its shard mesh given to ``fsdp_pre_all_gather``; 2 ranks' main_hsdp gathers them over the 2."""
     ours = run_distributed(_experts, world_size, case, False, False, True, True)
+    assert all(a["types"][0] == "HalfGather" and len(a["meshes"]) == 1 for a in ours), ours[0]["types"]
+    skip_without_torch_feature("ShardPlacementResult")
     theirs = run_distributed(_experts, world_size, case, True, False, True, True)
     _check_like_torch(ours, theirs)
     for a, b in zip(ours, theirs):
-        assert a["types"] == b["types"] and a["types"][0] == "HalfGather", a["types"]
-        assert a["meshes"] == b["meshes"] and len(a["meshes"]) == 1, (a["meshes"], b["meshes"])
+        assert a["types"] == b["types"] and a["meshes"] == b["meshes"], (a["meshes"], b["meshes"])
 
 
 def test_int_reshard_after_forward_with_subclass_on_another_mesh_matches_torch_fsdp2() -> None:
     """reshard_after_forward=2 when the subclass's mesh has 2 ranks: it reshards fully there
     (torch: no post-forward mesh for that group), the others keep 1/2."""
     ours = run_distributed(_experts, 4, "hsdp_2x2", False, False, 2, True)
+    assert ours[0]["comms"].count("all_gather") == 4, ours[0]["comms"]
+    skip_without_torch_feature("ShardPlacementResult")
     theirs = run_distributed(_experts, 4, "hsdp_2x2", True, False, 2, True)
     _check_like_torch(ours, theirs)
-    assert ours[0]["comms"].count("all_gather") == theirs[0]["comms"].count("all_gather") == 4, ours[0]["comms"]
+    assert theirs[0]["comms"].count("all_gather") == 4, theirs[0]["comms"]
 
 
 def test_int_reshard_after_forward_on_an_expert_sub_mesh() -> None:
@@ -814,12 +843,15 @@ def _int_refusal(use_torch: bool, subclass: bool) -> str:
 
 
 def test_int_reshard_after_forward_refusals_like_torch() -> None:
-    for ours, theirs in zip(run_distributed(_int_refusal, 4, False, False), run_distributed(_int_refusal, 4, True, False)):
-        assert ours.startswith("ValueError") and theirs.startswith("ValueError"), (ours, theirs)
+    divisor, subclass = run_distributed(_int_refusal, 4, False, False), run_distributed(_int_refusal, 4, False, True)[0]
+    for ours in divisor:
+        assert ours.startswith("ValueError"), ours
         assert "reshard_after_forward=4 must be a divisor of the shard group size 2 of the mesh shard_placement_fn gave 'experts'" in ours
-    ours, theirs = run_distributed(_int_refusal, 4, False, True)[0], run_distributed(_int_refusal, 4, True, True)[0]
-    assert ours.startswith("NotImplementedError") and theirs.startswith("NotImplementedError"), (ours, theirs)
-    assert "reshard_after_forward=<int> is not supported for tensor-subclass parameters" in ours and "'experts'" in ours, ours
+    assert subclass.startswith("NotImplementedError"), subclass
+    assert "reshard_after_forward=<int> is not supported for tensor-subclass parameters" in subclass and "'experts'" in subclass
+    skip_without_torch_feature("ShardPlacementResult")
+    assert all(theirs.startswith("ValueError") for theirs in run_distributed(_int_refusal, 4, True, False))
+    assert run_distributed(_int_refusal, 4, True, True)[0].startswith("NotImplementedError")
 
 
 def _expert_refusals() -> list[str]:

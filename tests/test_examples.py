@@ -1,6 +1,9 @@
 """The examples run end to end: examples/train.py launches 2 gloo ranks and learns (also from the
 checked-in config, and under a terminal with its progress bar); its
-TOML job config, its data sampler's state and its learning-rate schedule."""
+TOML job config, its data sampler's state, its learning-rate schedule and its device choice.
+
+The jobs these tests start run on the CPU on every machine (``--device cpu``), under the suite's
+accelerator switch too (docs/gpu.md): their numbers and log lines are the CPU's."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     workers included) so a hang cannot outlive the test."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(
-        [sys.executable, TRAIN, *args],
+        [sys.executable, TRAIN, "--device", "cpu", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -80,6 +83,58 @@ def test_train_example_rejects_bad_flags() -> None:
     result = _run(["--dim", "30", "--n-heads", "4"], timeout=60)
     assert result.returncode == 2, result
     assert "--dim (30) must be divisible by --n-heads (4)" in result.stderr, result.stderr
+    assert "fully_shard on" not in result.stdout  # no worker was started
+    result = _run(["--optimizer-in-backward"], timeout=60)  # --max-norm is 1.0 by default
+    assert result.returncode == 2 and "pass --max-norm 0 (clipping needs the norm of every gradient)" in result.stderr, result
+
+
+def test_optimizer_in_backward_trains_to_the_same_losses(tmp_path: object) -> None:
+    """--optimizer-in-backward (an AdamW per parameter, stepped from its post-accumulate-grad hook) against the usual
+    step, with gradient accumulation: the same losses to the last digit (AdamW is elementwise: the same arithmetic on
+    every element), and less held per rank (no step keeps every gradient)."""
+    flags = ["--nproc", "2", "--steps", "3", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
+             "--warmup", "1", "--grad-accum", "2", "--max-norm", "0", "--tokenizer", "bytes", "--exact-loss", "--log-every",
+             "1", "--eval-every", "0", "--no-plot", "--no-progress", "--metrics", os.path.join(str(tmp_path), "m.jsonl")]
+    runs = []
+    for extra in ([], ["--optimizer-in-backward"]):
+        result = _run(flags + extra, timeout=150)
+        log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        assert result.returncode == 0, log
+        losses = re.findall(r"^step\s+\d+/3 \| loss (\S+) ", result.stdout, re.M)
+        state = re.search(r"^summary: .* \| eval loss (\S+) .* per rank ([\d.,]+) (KiB|MiB)$", result.stdout, re.M)
+        assert len(losses) == 3 and state is not None, log
+        runs.append((losses, state.group(1), float(state.group(2).replace(",", "")) * {"KiB": 1, "MiB": 1024}[state.group(3)]))
+    assert "optimizer AdamW in backward, 2 blocks" in result.stdout, result.stdout
+    (losses, eval_loss, state), (losses_ib, eval_loss_ib, state_ib) = runs
+    assert losses_ib == losses and eval_loss_ib == eval_loss, runs
+    assert state_ib < state, runs  # parameters + optimizer state, without the gradients
+
+
+def test_device_choice_needs_a_device_per_process() -> None:
+    _examples()
+    from common import choose_device
+
+    assert choose_device("auto", None, 0, 2) == ("cpu", None)
+    assert choose_device("auto", "cuda", 2, 2) == ("cuda", None)
+    device, note = choose_device("auto", "cuda", 1, 2)  # NCCL refuses two processes on one GPU
+    assert device == "cpu" and note is not None and "2 processes here but 1 cuda device(s)" in note and "--nproc 1" in note
+    assert choose_device("cpu", "cuda", 8, 2) == ("cpu", None)
+    assert choose_device("cuda", "cuda", 8, 8) == ("cuda", None)
+    for requested, accelerator, count, message in [("cuda", "cuda", 1, "2 processes here but 1 cuda device(s)"),
+                                                   ("cuda", None, 0, "this machine's accelerator is none")]:
+        try:
+            choose_device(requested, accelerator, count, 2)
+            raise AssertionError("no error")
+        except ValueError as e:
+            assert message in str(e) and "--device cpu" in str(e), e
+
+
+def test_train_example_refuses_too_few_devices_before_starting_workers() -> None:
+    # more processes than any machine here has GPUs: refused with or without an accelerator
+    result = subprocess.run([sys.executable, TRAIN, "--device", "cuda", "--nproc", "64"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 2, result
+    assert "examples/train.py: error: --device cuda:" in result.stderr, result.stderr
     assert "fully_shard on" not in result.stdout  # no worker was started
 
 
@@ -182,7 +237,7 @@ def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(tmp_path: ob
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # 200 columns: room for the postfix
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(
-        [sys.executable, TRAIN, "--nproc", "2", "--steps", "3", "--n-layers", "1", "--dim", "32", "--seq-len", "16",
+        [sys.executable, TRAIN, "--device", "cpu", "--nproc", "2", "--steps", "3", "--n-layers", "1", "--dim", "32", "--seq-len", "16",
          "--batch-size", "2", "--tokenizer", "bytes", "--eval-batches", "1", "--plot", plot,
          "--metrics", os.path.join(str(tmp_path), "m.jsonl")],
         cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,

@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -50,6 +51,56 @@ def test_backend_for_world_and_devices() -> None:
     assert harness.backend_for("cuda", 2, 1) == "gloo"  # NCCL refuses two ranks on one GPU
     with pytest.raises(RuntimeError, match="no cuda device"):
         harness.backend_for("cuda", 1, 0)
+
+
+def _full_tensor_with_gloo_refusing() -> list[float]:
+    """What a rank sharing a device over gloo does (the CPU's kernel stands in for the accelerator's; CPU tensors on a
+    CPU mesh, over gloo under the switch too)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sharded = distribute_tensor(torch.arange(4.0, device="cpu"), mesh, [Shard(0)])
+    out = torch.empty(4, device="cpu")
+    dist.all_gather_into_tensor(out, torch.full((2,), float(dist.get_rank()), device="cpu"))  # c10d: untouched
+    assert out.tolist() == [0.0, 0.0, 1.0, 1.0], out
+    harness._REFUSALS.append(harness.refuse_gloo_functional_all_gather("cpu"))  # the pool is discarded after the call
+    return sharded.full_tensor().tolist()  # DTensor's all-gather: refused, instead of gloo's SIGSEGV on a GPU
+
+
+def test_ranks_sharing_a_device_over_gloo_skip_instead_of_dying() -> None:
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        run_distributed(_full_tensor_with_gloo_refusing, 2)
+    reason = str(skipped.value)
+    assert "_full_tensor_with_gloo_refusing, world_size=2)" in reason and "world size 2 needs 2" in reason, reason
+    assert "pytorch/pytorch#152645" in reason, reason
+    assert run_distributed(harness.device_type, 2) == [harness.device_type()] * 2  # a fresh pool, no refusal left
+
+
+def test_only_the_refused_all_gather_on_every_failed_rank_is_a_skip() -> None:
+    refused = f"Traceback ...\nRuntimeError: {harness.GLOO_ALL_GATHER_REFUSED} (cuda tensors ...)"
+    reason = harness.gloo_skip_reason({0: refused, 1: refused}, 4)
+    assert reason is not None and "world size 4 needs 4" in reason and "SIGSEGV" in reason, reason
+    assert harness.gloo_skip_reason({0: refused, 1: "AssertionError: loss differs"}, 2) is None  # a real failure stays one
+    assert harness.gloo_skip_reason({0: "worker process died (killed by signal SIGSEGV (exit code -11))"}, 2) is None
+    assert harness.gloo_skip_reason({}, 2) is None
+
+
+def test_a_missing_torch_feature_skips_naming_it_and_the_torch_that_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from tests import torch_features
+
+    monkeypatch.setattr(dist, "all_gather_single", lambda *a, **k: None, raising=False)
+    assert torch_features.missing_torch_features("dist.all_gather_single") is None
+    assert torch_features.requires_torch_feature("dist.all_gather_single").args == (False,)
+    monkeypatch.delattr(dist, "all_gather_single")  # as in torch 2.11
+    reason = torch_features.missing_torch_features("dist.all_gather_single")
+    assert reason == f"torch {torch.__version__} lacks dist.all_gather_single (torch 2.13 has it): this test compares against it"
+    assert torch_features.requires_torch_feature("dist.all_gather_single").kwargs["reason"] == reason
+    with pytest.raises(pytest.skip.Exception, match="lacks dist.all_gather_single"):
+        torch_features.skip_without_torch_feature("dist.all_gather_single")
 
 
 def test_trace_analysis_finds_streams_and_overlap() -> None:
@@ -97,6 +148,8 @@ def test_gpu_check_dry_run(tmp_path: pathlib.Path) -> None:
     for impl in ("fully_shard", "torch_fsdp2"):
         assert f"| {impl} | no |" in text and f"| {impl} | CPU |" in text, text
     assert "Dry run on the CPU" in text
+    for impl in ("fully_shard", "torch_fsdp2"):  # the offload rows, timed by phase
+        assert re.search(rf"\| {impl} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", text), text
     svg = ET.parse(f"{stem}-streams.svg").getroot()
     assert any(el.tag.endswith("rect") for el in svg.iter())  # fully_shard's phases drawn
     with gzip.open(f"{stem}-trace.json.gz", "rt") as f:

@@ -27,7 +27,7 @@ def _rank_info(scale: float, *, offset: float = 0.0) -> dict[str, object]:
         "pid": os.getpid(),
         "worker_env": os.environ.get("FULLY_SHARD_TEST_WORKER"),
         "threads": torch.get_num_threads(),
-        "rand": torch.rand(3).tolist(),
+        "rand": torch.rand(3, device="cpu").tolist(),  # the CPU generator, as the parent's below (any device)
     }
 
 

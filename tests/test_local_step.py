@@ -81,7 +81,7 @@ def _groups(model: Net) -> list[dict[str, Any]]:
 
 def _batch(step: int, same_on_ranks: bool = False) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 * step + (0 if same_on_ranks else dist.get_rank()))
-    return torch.randn(4, 6, generator=gen).to(device())
+    return torch.randn(4, 6, generator=gen, device="cpu").to(device())
 
 
 def _train(

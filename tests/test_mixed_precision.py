@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -22,6 +23,7 @@ from tests.collectives import CollectiveRecorder
 from tests.harness import device, device_type, run_distributed
 from tests.models import Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer, average_gradients
+from tests.transfers import Transfer, record_transfers
 
 BF16_FP32 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 FP16 = dict(param_dtype=torch.float16)
@@ -235,12 +237,25 @@ def test_mixed_original_dtypes_in_one_group() -> None:
     assert counts == {"all_gather": 8, "reduce_scatter": 4}, counts
 
 
-def _offload(pin_memory: bool) -> None:
+def _offload(pin_memory: bool, meta_init: bool = False) -> None:
+    with torch.device("cpu"):  # a CPU mesh on any machine: the model, the batches and the optimizer state there
+        _offload_on_cpu(pin_memory, meta_init)
+
+
+def _offload_on_cpu(pin_memory: bool, meta_init: bool) -> None:
     ws, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh(device_type(), (ws,))
+    mesh = init_device_mesh("cpu", (ws,))
     ref = Transformer()
-    offloaded = copy.deepcopy(ref)
+    if meta_init:  # torch's recipe for offload: shard on meta, materialise on the CPU, then load
+        with torch.device("meta"):
+            offloaded = Transformer()
+    else:
+        offloaded = copy.deepcopy(ref)
     _shard(offloaded, fully_shard, mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+    if meta_init:
+        offloaded.to_empty(device="cpu")  # new host tensors: pinned again where the policy pins
+        offloaded.load_state_dict(ref.state_dict())
+        offloaded.pos = ref.pos.clone()  # non-persistent: not in the state dict
     opt = torch.optim.AdamW(offloaded.parameters(), lr=1e-2)
     ref_opt = ShardwiseOptimizer(ref.parameters(), ws, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     compute_devices = []
@@ -248,7 +263,7 @@ def _offload(pin_memory: bool) -> None:
         lambda m, args: compute_devices.append(m.attention.wq.weight.device.type)
     )
     for step in range(3):
-        x = batch(step, rank)
+        x = batch(step, rank).cpu()
         loss_fn(offloaded(x), x).backward()
         opt.step()
         for q in offloaded.parameters():  # sharded params, grads and optimizer state on the host
@@ -273,3 +288,41 @@ def _offload(pin_memory: bool) -> None:
 def test_cpu_offload_on_cpu_mesh(pin_memory: bool) -> None:
     # torch 2.13's FSDP2 crashes here with pin_memory=True and no accelerator
     run_distributed(_offload, 2, pin_memory)
+
+
+def test_cpu_offload_after_meta_init_and_to_empty() -> None:
+    # pinning is checked under the accelerator switch only (a CPU cannot pin): to_empty(device="cpu") makes new host
+    # tensors, which are pinned again, as torch's FSDP2 does at lazy init
+    run_distributed(_offload, 2, True, True)
+
+
+def _offload_transfers(impl: str, pin_memory: bool) -> list[list[Transfer]]:
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    model = Transformer()
+    shard_fn, policy_cls = (fully_shard, MixedPrecisionPolicy) if impl == "ours" else (torch_fully_shard, TorchMixedPrecisionPolicy)
+    offload = CPUOffloadPolicy(pin_memory) if impl == "ours" else TorchCPUOffloadPolicy(pin_memory)
+    _shard(model, shard_fn, mesh, mp_policy=policy_cls(**BF16_FP32), offload_policy=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logs = []
+    for step in range(2):
+        x = batch(step, dist.get_rank())
+        with record_transfers({p.to_local().untyped_storage().data_ptr() for p in model.parameters()}) as log:
+            loss_fn(model(x), x).backward()
+        logs.append(log)
+        opt.step()
+        opt.zero_grad()
+    return logs
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_offload_moves_shards_like_torch(world_size: int) -> None:
+    ours = run_distributed(_offload_transfers, world_size, "ours", False)
+    theirs = run_distributed(_offload_transfers, world_size, "torch", False)
+    for rank, (log, torch_log) in enumerate(zip(ours, theirs)):
+        for step, (a, b) in enumerate(zip(log, torch_log)):
+            # every all-gather reads an offloaded shard through one explicit, non-blocking move to the device that
+            # keeps its dtype (the cast to bf16 then runs on the device copy, not on the host); each gradient
+            # comes back by one explicit (blocking when not pinned) move: the same transfers as torch's FSDP2
+            shards = [t for t in a if t.source == "shard"]
+            assert shards and set(shards) == {Transfer("shard", True, False, None)}, (rank, step, a)
+            assert sorted(a) == sorted(b), (rank, step, a, b)

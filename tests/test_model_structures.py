@@ -462,8 +462,9 @@ def case_frozen(steps: int) -> dict[str, float]:
 IGNORED = ("layers.0.ffn_norm.weight", "logit_scale")
 
 
-def case_ignored(steps: int) -> dict[str, float]:
-    """6. ignored_params: not sharded, not moved, gradients not reduced (kept local)."""
+def case_ignored(steps: int, shared: bool = False) -> dict[str, float]:
+    """6. ignored_params: not sharded, not moved, gradients not reduced (kept local). ``shared``: torch's idiom, one
+    set (a parameter of block 0 and one of the root) passed to every call, each of which ignores what it holds."""
     mesh = _mesh()
     torch.manual_seed(0)
     ref = Transformer()
@@ -471,9 +472,11 @@ def case_ignored(steps: int) -> dict[str, float]:
     originals: dict[str, dict[str, tuple[nn.Parameter, int]]] = {}
     for impl, shard in (("ours", _our_fully_shard()), ("torch", _torch_fully_shard())):
         m = copy.deepcopy(ref)
+        one_set = {m.layers[0].ffn_norm.weight, m.logit_scale}
         for block in m.layers:
-            shard(block, mesh=mesh, ignored_params={block.ffn_norm.weight} if block is m.layers[0] else None)
-        shard(m, mesh=mesh, ignored_params={m.logit_scale})
+            own = {block.ffn_norm.weight} if block is m.layers[0] else None
+            shard(block, mesh=mesh, ignored_params=one_set if shared else own)
+        shard(m, mesh=mesh, ignored_params=one_set if shared else {m.logit_scale})
         params = dict(m.named_parameters())
         originals[impl] = {n: (params[n], params[n].data_ptr()) for n in IGNORED}
         models[impl] = m
@@ -660,6 +663,10 @@ def test_ignored_params() -> None:
     _assert_bitwise(run_distributed(case_ignored, 2, WS2_STEPS), "ignored")
 
 
+def test_ignored_params_one_set_for_every_call() -> None:
+    _assert_bitwise(run_distributed(case_ignored, 2, WS2_STEPS, True), "ignored, one set for every call")
+
+
 def test_buffers() -> None:
     _assert_bitwise(run_distributed(case_buffers, 2, WS2_STEPS), "buffers")
 
@@ -678,6 +685,7 @@ WS4_CASES: list[tuple[str, tuple[Any, ...]]] = [
     ("case_tied", (WS4_STEPS,)),
     ("case_frozen", (WS4_STEPS,)),
     ("case_ignored", (WS4_STEPS,)),
+    ("case_ignored", (WS4_STEPS, True)),
     ("case_buffers", (WS4_STEPS,)),
     ("case_activation_checkpointing", (WS4_STEPS, ("inner", "wrapper"))),
     ("case_forward_shapes", (WS4_STEPS,)),

@@ -87,3 +87,43 @@ def _one_rank(case: str) -> list[str]:
 def test_one_rank_trains_bitwise_like_the_unsharded_model(case: str) -> None:
     # bf16: the oracle is torch's FSDP2 over one rank (the same casts), else the plain model
     assert run_distributed(_one_rank, 1, case)[0] == []
+
+
+def _divide_like_torch() -> tuple[bool, dict[str, int], dict[str, int]]:
+    """A divide factor that is not a power of two, over one rank: our gradients against torch's FSDP2's, and the
+    division ops each dispatched in the backward (docs/migration.md: torch divides out of place, ours in place)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fully_shard import fully_shard
+
+    class CountDivisions(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if "div" in str(func):
+                self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    mesh = init_device_mesh("cpu", (1,))
+    ref = _model()
+    x = torch.randn(4, 8)
+    grads, ops = {}, {}
+    for impl, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        model = copy.deepcopy(ref)
+        shard(model, mesh=mesh)
+        model.set_gradient_divide_factor(3.0)
+        with CountDivisions() as count:
+            model(x).sum().backward()
+        grads[impl], ops[impl] = [p.grad.to_local() for p in model.parameters()], count.ops
+    return all(torch.equal(a, b) for a, b in zip(grads["ours"], grads["torch"])), ops["ours"], ops["torch"]
+
+
+def test_one_rank_divide_factor_in_place_same_gradient_as_torch() -> None:
+    same, ours, torchs = run_distributed(_divide_like_torch, 1)[0]
+    assert same, "gradients divided by 3 differ from torch's FSDP2"
+    assert ours == {"aten.div_.Tensor": 1} and torchs == {"aten.div.Tensor": 1}, (ours, torchs)

@@ -107,7 +107,7 @@ def test_hf_llama_recipe_loads_finetunes_and_exports(tmp_path: Any) -> None:
 # The main job: examples/train.py --resume
 # ---------------------------------------------------------------------------
 
-TINY = ["--nproc", "2", "--n-layers", "2", "--dim", "32", "--n-heads", "2", "--seq-len", "16",
+TINY = ["--device", "cpu", "--nproc", "2", "--n-layers", "2", "--dim", "32", "--n-heads", "2", "--seq-len", "16",
         "--batch-size", "2", "--log-every", "1", "--exact-loss", "--vocab-size", "300", "--eval-every", "3"]
 
 

@@ -369,13 +369,6 @@ def _autograd_grad_wrt_parameters_then_remedy() -> list[str]:
     return _mismatches(ours, ref, "after the remedy")
 
 
-def _case_ignored_not_in_module() -> None:
-    from fully_shard import fully_shard
-
-    _, model = _build()
-    fully_shard(model.layers[0], ignored_params={model.layers[1].feed_forward.w1.weight})
-
-
 def test_double_backward_raises_instead_of_crashing() -> None:
     # it used to read freed parameter storage: SIGSEGV
     _expect_error(_case_gradient_penalty, RuntimeError, "create_graph=True", "the root module (CutTransformer)")
@@ -398,10 +391,6 @@ def test_parameter_tied_after_sharding_raises_naming_both() -> None:
 
 def test_parameter_replaced_after_sharding_raises_naming_it() -> None:
     _expect_error(_case_block_param_replaced, RuntimeError, "'layers.1.feed_forward.w2.weight'", "not a parameter of the model")
-
-
-def test_ignored_params_not_in_module() -> None:
-    _expect_error(_case_ignored_not_in_module, ValueError, "ignored_params", "not parameters of the module(s)", "shape (40, 24)")
 
 
 def test_autograd_grad_wrt_sharded_parameters_raises() -> None:

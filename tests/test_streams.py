@@ -14,15 +14,17 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fully_shard.comm as comm
-from fully_shard import fully_shard
+from fully_shard import CPUOffloadPolicy, fully_shard
 from fully_shard import streams as fs_streams
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.transfers import Transfer, record_transfers
 
 
 class RecordingBackend:
@@ -57,6 +59,9 @@ class RecordingBackend:
 
     def wait_event(self, stream: str, event: Any) -> None:
         self.log.append(("wait_event", stream, event))
+
+    def synchronize(self, event: Any) -> None:
+        self.log.append(("synchronize", event))
 
 
 @contextlib.contextmanager
@@ -205,6 +210,48 @@ def test_first_all_gather_waits_for_the_optimizer() -> None:
     before = step[:first_copy_in]
     assert ("wait_event", "copy_in", "optimizer-done") in before, before
     assert ("wait_stream", "copy_in", "current") not in before, before
+
+
+def _offload_log(pin_memory: bool) -> list[tuple[Any, ...]]:
+    """Two backwards under CPU offload, the second adding to the first's gradients; the transfers in the stream log."""
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    with _recording() as backend:
+        model = Transformer(ModelArgs(n_layers=2))
+        for module in (*model.layers, model):
+            fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory))
+        root = fully_shard.state(model)  # type: ignore[attr-defined]
+        root.shared_streams = fs_streams.Streams(root.device, backend)
+        shards = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+        for step in range(2):
+            backend.log.append(("step", step))
+            x = batch(step, dist.get_rank())
+            with record_transfers(shards, lambda: backend.stack[-1], backend.log):
+                loss_fn(model(x), x).backward()
+            backend.log.append(("backward returned",))
+        return backend.log
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_offloaded_shards_and_gradients_move_without_blocking(pin_memory: bool) -> None:
+    log = run_distributed(_offload_log, 2, pin_memory)[0]
+    for step in (0, 1):
+        events = _step(log, step)
+        moves = [e for e in events if isinstance(e, Transfer)]
+        # the shards go to the device on the copy-in stream, without blocking, in their own dtype (cast there)
+        assert {m for m in moves if m.source == "shard"} == {Transfer("shard", True, False, "copy_in")}, moves
+        # the gradients come back on the reduce-scatter stream: into pinned memory without blocking the first time
+        # (pin_memory); the second backward adds to them on the host, so its copies block, as in torch's FSDP2
+        grads = {m for m in moves if m.source == "other"}
+        assert grads == {Transfer("other", pin_memory and step == 0, False, "reduce_scatter")}, moves
+        # the host waits for an event recorded on that stream after the last async copy, before backward returns
+        waits = [i for i, e in enumerate(events) if e[0] == "synchronize"]
+        if not (pin_memory and step == 0):
+            assert not waits, events
+            continue
+        assert len(waits) == 1 and events[waits[0] + 1] == ("backward returned",), events
+        last_copy = max(i for i, e in enumerate(events) if isinstance(e, Transfer) and e.source == "other")
+        recorded = [i for i, e in enumerate(events) if e[0] == "record" and e[1] == "reduce_scatter"]
+        assert events[waits[0]][1] == events[min(i for i in recorded if i > last_copy)][2], events
 
 
 def test_no_code_path_calls_record_stream() -> None:

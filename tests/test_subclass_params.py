@@ -7,12 +7,15 @@ parameter aliases the gathered buffer, which must be refilled in place). Each te
 the same model with ``fully_shard`` and with torch's FSDP2 (the oracle) on 2 gloo ranks (the
 own-subclass test on 4 too): bitwise, because both run the same casts and the same gloo
 reduce-scatter (AVG) over the same layout, so the same sums in the same order. Also with
-tensor parallelism (the hooks see the TP-local part), ``Shard(1)`` and ``dp_mesh_dims``.
-torchao's float8 (also with TP) and int8 recipes are in the second half (skipped without torchao).
+tensor parallelism (the hooks see the TP-local part), ``Shard(1)`` and ``dp_mesh_dims``. Then torch's own
+extension test programs: hooks patched onto a plain or ``TwoTensor`` parameter's local tensor (looked up at every
+all-gather), ``TwoTensor``'s class hooks, on FSDP and HSDP meshes, against torch's FSDP2 and the unsharded model.
+torchao's float8 (also with TP) and int8 recipes are in the last part (skipped without torchao).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Any
@@ -22,11 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from tests.harness import device, device_type, run_distributed
-from tests.oracle import ShardwiseOptimizer, average_gradients
+from tests.oracle import ShardwiseOptimizer, average_gradients, close, ref_tol, rows
 
 aten = torch.ops.aten
 # ops whose results stay HalfGather (what sharding needs: torch's FSDP2 uses split/new_zeros)
@@ -194,23 +198,94 @@ def test_own_subclass_with_tp_or_shard_1_matches_torch_fsdp2(world_size: int, tp
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def _no_hooks() -> str:
+def _patched_mid_training() -> dict[str, Any]:
+    """Hooks patched onto the local tensors after a step, removed after two more: each all-gather follows what the
+    local tensor has then (the unsharded tensors the other way built are dropped). Oracle: the unsharded model,
+    rounding its weights to bf16 in the same steps."""
     from fully_shard import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[_MLP() for _ in range(2)]).to(device())
+    model = copy.deepcopy(ref)
+    for mlp in model:
+        fully_shard(mlp)
+    fully_shard(model)
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+    opt, ref_opt = adam(model.parameters()), ShardwiseOptimizer(ref.parameters(), world, adam)
+    calls = []
+    for step, hooked in enumerate((False, True, True, False)):
+        for p in model.parameters():
+            local = p._local_tensor
+            if hooked and not hasattr(local, "fsdp_pre_all_gather"):
+                local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _bf16_pre.__get__(local), _bf16_post.__get__(local)
+            elif not hooked and hasattr(local, "fsdp_pre_all_gather"):
+                del local.fsdp_pre_all_gather, local.fsdp_post_all_gather
+        for mlp in ref:
+            mlp.round_to = torch.bfloat16 if hooked else None
+        _SEEN.update(pre=0)
+        xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device()) for r in range(world)]
+        model(xs[rank]).sum().backward()
+        (sum(ref(x).sum() for x in xs) / world).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        calls.append(_SEEN["pre"])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        close(p._local_tensor, rows(q.detach()), 0.0, "after 4 steps")  # bitwise: an exact 2-rank average, see oracle
+    return {"calls": calls}
+
+
+def test_hooks_patched_and_removed_between_steps_follow_the_local_tensor() -> None:
+    for r in run_distributed(_patched_mid_training, 2):
+        assert r["calls"] == [0, 8, 8, 0], r  # 4 weights, forward + backward all-gathers, only while patched
+
+
+def _refused() -> dict[str, Any]:
+    """What is refused at the all-gather (where torch's FSDP2 looks the hooks up), on 4 ranks: a wrapper subclass
+    without hooks (torch gathers it as a plain tensor), one hook without the other, and hooks patched onto the local
+    tensor after a ``reshard_after_forward=2`` call (refused at the call when they are there already)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fully_shard import fully_shard
+
+    x = torch.ones(2, 4, device=device())
+
+    def first_forward(module: nn.Module) -> str:
+        try:
+            module(x)
+        except NotImplementedError as e:
+            return str(e)
+        return "no error"
 
     lin = nn.Linear(4, 4)
     lin.weight = nn.Parameter(torch.Tensor._make_subclass(torch.Tensor, torch.zeros(4, 4)))  # plain: fine
     fully_shard(lin)
+    out = {"plain": type(lin.weight._local_tensor).__name__}
+    lin(x)
     lin = nn.Linear(4, 4)
     lin.weight = nn.Parameter(_Opaque(torch.zeros(4, 4)))
-    try:
-        fully_shard(lin)
-    except NotImplementedError as e:
-        return str(e)
-    return "no error"
+    fully_shard(lin)
+    out["opaque"] = first_forward(lin)
+    theirs = nn.Linear(4, 4)
+    theirs.weight = nn.Parameter(_Opaque(torch.zeros(4, 4)))
+    torch_fully_shard(theirs)
+    theirs.unshard()
+    out["torch_opaque_unsharded"] = type(theirs.weight).__name__
+    lin = nn.Linear(4, 4)
+    fully_shard(lin)
+    lin.weight._local_tensor.fsdp_pre_all_gather = _self_pre.__get__(lin.weight._local_tensor)
+    out["one_hook"] = first_forward(lin)
+    block = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(block, reshard_after_forward=2)
+    local = block[0].weight._local_tensor
+    local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _self_pre.__get__(local), _self_post.__get__(local)
+    out["int_reshard"] = first_forward(block)
+    return out
 
 
 class _Opaque(HalfGather):
-    """A wrapper subclass without the extension hooks: cannot be sharded as such."""
+    """A wrapper subclass without the extension hooks: cannot be gathered as such."""
 
     def __getattribute__(self, name: str) -> Any:
         if name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
@@ -218,9 +293,15 @@ class _Opaque(HalfGather):
         return super().__getattribute__(name)
 
 
-def test_subclass_without_hooks_is_refused() -> None:
-    msg = run_distributed(_no_hooks, 1)[0]
-    assert "'weight'" in msg and "_Opaque" in msg and "plain tensor" in msg, msg
+def test_subclass_without_hooks_and_half_hooks_are_refused_at_the_all_gather() -> None:
+    for r in run_distributed(_refused, 4):
+        assert r["plain"] == "Tensor", r
+        # accepted by fully_shard (hooks may be patched on later), refused at the first all-gather
+        msg = r["opaque"]
+        assert "'weight'" in msg and "_Opaque" in msg and "plain tensor" in msg and "param._local_tensor" in msg, msg
+        assert r["torch_opaque_unsharded"] == "Parameter", r  # what torch's FSDP2 does: a plain tensor, silently
+        assert "'weight'" in r["one_hook"] and "has fsdp_pre_all_gather but not fsdp_post_all_gather" in r["one_hook"], r
+        assert "'0.weight'" in r["int_reshard"] and "reshard_after_forward=<int>" in r["int_reshard"], r
 
 
 def _spmd(case: str, use_torch: bool) -> dict[str, Any]:
@@ -271,6 +352,224 @@ def test_own_subclass_with_dp_mesh_dims_matches_torch_fsdp2(case: str) -> None:
         assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
         for p, q in zip(a["local"], b["local"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+# ---------------------------------------------------------------------------
+# Hooks looked up on the local tensor at each all-gather (the programs of torch's test_fully_shard_extensions.py):
+# patched onto a plain or TwoTensor parameter's local tensor after fully_shard (and to_empty()), on TwoTensor's class
+# (both signatures), on FSDP and HSDP meshes, with and without mixed precision.
+# ---------------------------------------------------------------------------
+
+_SEEN: dict[str, Any] = {"pre": 0, "meshes": set()}  # per worker: fsdp_pre_all_gather calls, the meshes it was given
+
+
+class _MLP(nn.Module):
+    """torch's test MLP, without biases: dim -> 4 dim -> dim."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.in_proj, self.out_proj = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
+        self.round_to: torch.dtype | None = None  # the reference of the bf16 hooks: compute with the weights they send
+        self.compute_in: torch.dtype | None = None  # the reference of mixed precision: compute in param_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(self.out_proj, torch.relu(self._linear(self.in_proj, x)))
+
+    def _linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        w = lin.weight
+        if self.round_to is not None:  # exactly the rounded weight (Sterbenz: r - w is exact), gradient straight through
+            w = w + (w.to(self.round_to).to(w.dtype) - w).detach()
+        if self.compute_in is not None:
+            w, x = w.to(self.compute_in), x.to(self.compute_in)
+        return nn.functional.linear(x, w)
+
+
+def _record(mesh: Any) -> None:
+    _SEEN["pre"] += 1
+    _SEEN["meshes"].add(tuple(mesh.mesh.tolist()))
+
+
+def _bf16_pre(self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any) -> Any:
+    """torch's monkey-patched pair: send the shard in bf16, ..."""
+    _record(mesh)
+    return (self.to(torch.bfloat16),), None
+
+
+@torch.no_grad()
+def _bf16_post(self: torch.Tensor, outputs: Any, metadata: Any, param_dtype: torch.dtype, *, out: Any = None) -> Any:
+    """... and upcast the gathered tensor to the parameter's dtype (into ``out`` after the first time)."""
+    (t,) = outputs
+    assert metadata is None and t.dtype == torch.bfloat16, (metadata, t.dtype)
+    if out is not None:
+        with _unsafe_preserve_version_counter(out):
+            out.copy_(t)
+        return None
+    up = t.to(param_dtype)
+    return up, (t, up)
+
+
+def _self_pre(self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any) -> Any:
+    """torch's HSDP pair: gather the local tensor itself (a TwoTensor: copied in as a plain tensor) ..."""
+    _record(mesh)
+    return (self,), None
+
+
+@torch.no_grad()
+def _self_post(self: torch.Tensor, outputs: Any, metadata: Any, param_dtype: torch.dtype, *, out: Any = None) -> Any:
+    """... and compute with the gathered output (refilled in place, ``out`` aliases it)."""
+    (t,) = outputs
+    return None if out is not None else (t, (t,))
+
+
+def _two_pre_v1(self: Any, mesh: Any) -> Any:
+    """TwoTensor's class hooks (torch's, the one-argument signature): gather both inner tensors ..."""
+    _record(mesh)
+    return (self.a, self.b), None
+
+
+def _two_pre_v2(self: Any, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any) -> Any:
+    return _two_pre_v1(self, mesh)
+
+
+@torch.no_grad()
+def _two_post(self: Any, outputs: Any, metadata: Any, param_dtype: torch.dtype, *, out: Any = None) -> Any:
+    """... and rebuild a TwoTensor in the parameter dtype (copied into ``out`` when a cast made it separate)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = outputs
+    if out is None:
+        return TwoTensor(a, b).to(param_dtype), (a, b)
+    assert isinstance(out, TwoTensor), type(out)
+    if a.dtype != param_dtype:
+        out.a.copy_(a)
+        out.b.copy_(b)
+    return None
+
+
+_HOOKS = {"bf16": (_bf16_pre, _bf16_post), "self": (_self_pre, _self_post), "v1": (_two_pre_v1, _two_post), "v2": (_two_pre_v2, _two_post)}
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A TwoTensor's values (its halves stay equal: every op runs on both), any other tensor as it is."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    if isinstance(t, TwoTensor):
+        assert torch.equal(t.a, t.b)
+        return t.a
+    return t
+
+
+def _local_hooks(weights: str, hooks: str, where: str, meta: bool, hsdp: bool, mp: bool) -> dict[str, Any]:
+    """One program three ways: fully_shard, torch's FSDP2, the unsharded model (gradients averaged, stepped in the
+    shard layout). ``weights``: "plain" or "two" (TwoTensor(w, w.clone())); ``hooks`` patched ``where``: "local"
+    (onto each sharded weight's local tensor, after fully_shard and, with ``meta``, after to_empty()) or "class"
+    (TwoTensor's); ``hsdp``: a (2, world/2) mesh; ``mp``: param_dtype bf16. Adam, 3 steps, a batch per rank."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from fully_shard import MixedPrecisionPolicy, fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape, names = ((2, world // 2), ("replicate", "shard")) if hsdp else ((world,), None)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    src = nn.Sequential(*[_MLP() for _ in range(3)]).to(device())
+    pre, post = _HOOKS[hooks]
+
+    def build(shard: Any, mp_cls: Any) -> nn.Module:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = copy.deepcopy(src) if not meta else nn.Sequential(*[_MLP() for _ in range(3)])
+            if weights == "two":
+                for lin in (m for mlp in model for m in (mlp.in_proj, mlp.out_proj)):
+                    lin.weight = nn.Parameter(TwoTensor(lin.weight.detach(), lin.weight.detach().clone()))
+        policy = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else mp_cls()
+        for mlp in model:
+            shard(mlp, mesh=mesh, mp_policy=policy)
+        shard(model, mesh=mesh, mp_policy=policy)
+        if meta:
+            model.to_empty(device=device())
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), src.parameters()):
+                    p._local_tensor.copy_(distribute_tensor(q.detach(), p.device_mesh, p.placements).to_local())
+        if where == "local":  # after to_empty(): it makes new local tensors
+            for p in model.parameters():
+                local = p._local_tensor
+                local.fsdp_pre_all_gather, local.fsdp_post_all_gather = pre.__get__(local), post.__get__(local)
+        return model
+
+    def train(model: nn.Module, ref: bool) -> dict[str, Any]:
+        _SEEN.update(pre=0, meshes=set())
+        adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+        opt = ShardwiseOptimizer(model.parameters(), shape[-1], adam) if ref else adam(model.parameters())
+        types = [type(p._local_tensor).__name__ for p in model.parameters()] if not ref else []
+        losses = []
+        for step in range(3):
+            xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device()) for r in range(world)]
+            each = [model(x).sum() for x in xs] if ref else [model(xs[rank]).sum()]  # the reference: every rank's batch
+            (sum(each) / len(each)).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_plain(each[rank if ref else 0].detach()).item())
+        params = [_plain(p.detach()) if ref else _plain(p._local_tensor).clone() for p in model.parameters()]
+        return {"losses": losses, "params": params, "types": types, "pre": _SEEN["pre"], "meshes": sorted(_SEEN["meshes"])}
+
+    if where == "class":
+        TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = pre, post  # type: ignore[attr-defined]
+    try:
+        out = {"ours": train(build(fully_shard, MixedPrecisionPolicy), False),
+               "torch": train(build(torch_fully_shard, TorchMP), False)}
+    finally:
+        for name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
+            if hasattr(TwoTensor, name):
+                delattr(TwoTensor, name)
+    for mlp in src:
+        mlp.round_to = torch.bfloat16 if hooks == "bf16" else None
+        mlp.compute_in = torch.bfloat16 if mp else None
+    out["ref"] = train(src, True)
+    shard_rank = mesh.get_local_rank(mesh.ndim - 1)
+    out["ref"]["params"] = [p.chunk(shape[-1])[shard_rank] for p in out["ref"]["params"]]  # this rank's rows
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world_size", "weights", "hooks", "where", "meta", "hsdp", "mp"),
+    [
+        (2, "plain", "bf16", "local", True, False, False),  # a plain tensor, hooks patched after to_empty()
+        (4, "plain", "bf16", "local", False, False, False),  # ... patched after fully_shard
+        (2, "two", "bf16", "local", True, False, False),  # torch's test_all_gather_extensions_monkey_patch
+        (2, "two", "v1", "class", False, False, False),  # torch's test_all_gather_extensions_train_parity
+        (4, "two", "v2", "class", True, False, True),  # ... and test_all_gather_extensions_end_to_end (meta, bf16)
+        (4, "two", "self", "local", False, True, False),  # torch's test_all_gather_extension_hsdp_mesh, trained
+        (4, "two", "v2", "class", False, True, True),  # TwoTensor on HSDP with mixed precision
+    ],
+    ids=["plain-meta-2", "plain-4", "two-local-meta-2", "two-class-v1-2", "two-class-v2-meta-bf16-4", "two-local-hsdp-4",
+         "two-class-hsdp-bf16-4"],
+)
+def test_hooks_on_local_tensor_match_torch_fsdp2(world_size: int, weights: str, hooks: str, where: str, meta: bool, hsdp: bool,
+                                                  mp: bool) -> None:
+    """torch's FSDP2 looks the all-gather hooks up on the sharded parameter's local tensor at every all-gather, so a
+    wrapper subclass without them (TwoTensor) shards, and hooks patched onto one instance, even of a plain tensor, apply.
+    Bitwise against torch (the same gathers, casts and reductions); against the unsharded model bitwise on 2 ranks
+    (an exact average, Adam on the same chunks), else within the oracle's tolerances (bf16: those of mixed precision)."""
+    results = run_distributed(_local_hooks, world_size, weights, hooks, where, meta, hsdp, mp)
+    shard_size = world_size // 2 if hsdp else world_size
+    gathers = 6 * 3 * 2  # 6 weights, 3 steps, forward + backward (resharded after forward)
+    for rank, r in enumerate(results):
+        ours, theirs, ref = r["ours"], r["torch"], r["ref"]
+        kind = "TwoTensor" if weights == "two" else "Tensor"
+        assert ours["types"] == theirs["types"] == [kind] * 6, (ours["types"], theirs["types"])  # kept, never made plain
+        assert ours["pre"] == theirs["pre"] == gathers, (ours["pre"], theirs["pre"])  # the hooks ran at every all-gather
+        # the shard mesh only (HSDP: this rank's replica), as torch passes it
+        assert ours["meshes"] == theirs["meshes"] and len(ours["meshes"]) == 1, (ours["meshes"], theirs["meshes"])
+        assert len(ours["meshes"][0]) == shard_size and rank in ours["meshes"][0], ours["meshes"]
+        assert ours["losses"] == theirs["losses"], f"rank {rank}: {ours['losses']} != torch's {theirs['losses']}"
+        for p, q in zip(ours["params"], theirs["params"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), ref_tol("loss", world_size), f"rank {rank} losses")
+        for i, (p, q) in enumerate(zip(ours["params"], ref["params"])):
+            close(p, q, ref_tol("param", world_size), f"rank {rank} parameter {i} vs the unsharded model")
+
 
 # ---------------------------------------------------------------------------
 # torchao: float8 training with float8 all-gathers, int8 weight-only quantized training

@@ -13,6 +13,7 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.common_utils import run_tests
@@ -79,6 +80,83 @@ class ThreadedFullyShardTest(MultiThreadedTestCase):
 
     def test_nested_backward_after_forward(self) -> None:
         self._check(nested=True, reshard_between=False)
+
+    # torch's TestFullyShardUnshardMultiThread, on this process group as there
+
+    def test_unshard_no_param_group(self) -> None:
+        """unshard() of a module whose call manages no parameters (each Linear's call took them): nothing to gather."""
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        for lin in model:
+            fully_shard(lin, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        handle = model.unshard(async_op=True)
+        self.assertIsNotNone(handle)
+        handle.wait()
+        for p in model.parameters():
+            self.assertIsInstance(p, DTensor)  # the Linears' groups were not asked
+
+    def test_unshard_without_lazy_init(self) -> None:
+        """unshard() before any forward (no root known yet) gathers the parameters as they were."""
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = _mlp()
+        ref = copy.deepcopy(model)
+        fully_shard(model, mesh=mesh)
+        model.unshard()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            self.assertNotIsInstance(p, DTensor)
+            self.assertTrue(torch.equal(p, q))
+    def test_hooks_patched_onto_local_tensors_on_hsdp(self) -> None:
+        """torch's test_all_gather_extension_hsdp_mesh (a threaded test there too), then backward: TwoTensor weights
+        on a (2, 2) mesh, hooks patched onto each local tensor after fully_shard; they get the shard mesh only."""
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        from tests.test_subclass_params import _MLP, _SEEN, _self_post, _self_pre
+
+        mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+        g = torch.Generator().manual_seed(0)
+        ref = nn.Sequential(*[_MLP() for _ in range(2)])
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        model = copy.deepcopy(ref)
+        for lin in (m for mlp in model for m in (mlp.in_proj, mlp.out_proj)):
+            lin.weight = nn.Parameter(TwoTensor(lin.weight.detach(), lin.weight.detach().clone()))
+        for mlp in model:
+            fully_shard(mlp, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for p in model.parameters():
+            local = p._local_tensor
+            local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _self_pre.__get__(local), _self_post.__get__(local)
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(self.rank))
+        out, ref_out = model(x), ref(x)
+        self.assertTrue(torch.equal(out, ref_out))  # the same weights, gathered exactly
+        self.assertIn(tuple(mesh["shard"].mesh.tolist()), _SEEN["meshes"])  # 1-D: this rank's shard group
+        out.sum().backward()
+        ref_out.sum().backward()
+        average_gradients(ref)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            self.assertIs(type(p._local_tensor), TwoTensor)
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-6)
+
+    def test_post_accumulate_grad_hooks_run(self) -> None:
+        # torch's own test of these hooks runs on this process group: each sharded parameter's hook once per backward,
+        # in torch FSDP2's order, seeing the gradient torch's sees
+        mesh = init_device_mesh("cpu", (WORLD,))
+        seen: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, shard_fn in (("ours", fully_shard), ("torch", torch_fully_shard)):
+            model = _mlp()
+            for module in (model[0], model[2], model):
+                shard_fn(module, mesh=mesh)
+            log = seen[name] = []
+            for pname, p in model.named_parameters():
+                p.register_post_accumulate_grad_hook(lambda p, pname=pname, log=log: log.append((pname, p.grad.to_local().clone())))
+            model(torch.randn(2, 8, generator=torch.Generator().manual_seed(self.rank))).sum().backward()
+        # the input needs no gradient: model[0]'s group and the root's are reduced at the end of backward, root first
+        self.assertEqual([n for n, _ in seen["ours"]], ["2.weight", "2.bias", "4.weight", "4.bias", "0.weight", "0.bias"])
+        self.assertEqual([n for n, _ in seen["ours"]], [n for n, _ in seen["torch"]])
+        for (name, g), (_, tg) in zip(seen["ours"], seen["torch"]):
+            self.assertTrue(torch.equal(g, tg), name)  # the same reduce-scatter of the same gradients
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ def _wrap(kind: str) -> tuple[list[str], list[str]]:
     sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     x = batch(0, dist.get_rank())
     loss_fn(model(x), x).backward()
-    return sharded, [str(w.message) for w in caught]
+    # ranks sharing a GPU under the switch (gloo with CUDA tensors): fully_shard's warning about that is not the helper's
+    return sharded, [str(w.message) for w in caught if "tensors over gloo" not in str(w.message)]
 
 
 def test_wrap_by_module_class() -> None:

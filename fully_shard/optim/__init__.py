@@ -4,9 +4,11 @@
 ``torch.optim.Muon`` on the unsharded model; ``MuonAdamW`` and ``muon_param_groups`` make
 the usual Muon + AdamW recipe one optimizer; ``owned_matrices`` is the owner machinery for
 other matrix optimizers; ``local_step`` runs an elementwise optimizer (AdamW, SGD, ...) on the
-DTensors' local tensors, at plain-tensor speed. See docs/optimizers.md.
+DTensors' local tensors, at plain-tensor speed; ``in_backward`` steps one optimizer per
+parameter inside backward. See docs/optimizers.md.
 """
 
+from .backward import in_backward
 from .local import ELEMENTWISE_OPTIMIZERS, local_step
 from .muon import Muon, newton_schulz
 from .muon_adamw import MuonAdamW, muon_param_groups
@@ -23,5 +25,6 @@ __all__ = [
     "assign_owners",
     "newton_schulz_flops",
     "local_step",
+    "in_backward",
     "ELEMENTWISE_OPTIMIZERS",
 ]

@@ -1,0 +1,65 @@
+"""Newer torch FSDP2 features that some tests compare fully_shard against.
+
+fully_shard itself needs torch>=2.11; its drop-in tests compare against torch 2.13's FSDP2, which has names torch
+2.11's lacks (the GPU machine runs 2.11). Where the installed torch lacks what a comparison needs, the test still runs
+fully_shard's side where it can, then skips the comparison, naming what is missing and which torch has it::
+
+    ours = run_distributed(_experts, 4, case, False)     # checked on any torch
+    skip_without_torch_feature("ShardPlacementResult")   # torch 2.11: skipped here, with the reason
+    theirs = run_distributed(_experts, 4, case, True)
+
+or, for a test that is the comparison only, ``@requires_torch_feature("DataParallelMeshDims")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+# the torch that has every feature below (the CPU suite's)
+HAS_THEM = "torch 2.13"
+
+# feature -> (module, attribute path in it)
+FEATURES = {
+    "ShardPlacementResult": ("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult"),
+    "DataParallelMeshDims": ("torch.distributed.fsdp", "DataParallelMeshDims"),
+    "FSDPModule.set_reduce_scatter_max_input_buffers": ("torch.distributed.fsdp", "FSDPModule.set_reduce_scatter_max_input_buffers"),
+    "FSDPModule.set_separate_reduce_scatter_group": ("torch.distributed.fsdp", "FSDPModule.set_separate_reduce_scatter_group"),
+    "FSDPModule.set_reduce_scatter_unused_params": ("torch.distributed.fsdp", "FSDPModule.set_reduce_scatter_unused_params"),
+    "dist.all_gather_single": ("torch.distributed", "all_gather_single"),
+}
+
+
+def has_torch_feature(name: str) -> bool:
+    """Whether the installed torch has ``name`` (a key of :data:`FEATURES`)."""
+    module, path = FEATURES[name]
+    obj: object = importlib.import_module(module)
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def missing_torch_features(*names: str) -> str | None:
+    """Why a comparison cannot run here (what is missing, which torch has it), or None where nothing is missing."""
+    missing = [n for n in names if not has_torch_feature(n)]
+    if not missing:
+        return None
+    return (f"torch {torch.__version__} lacks {', '.join(missing)} ({HAS_THEM} has {'it' if len(missing) == 1 else 'them'}): "
+            "this test compares against it")
+
+
+def requires_torch_feature(*names: str) -> pytest.MarkDecorator:
+    """A mark: skip the test where the installed torch lacks any of ``names``, saying which and why."""
+    reason = missing_torch_features(*names)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def skip_without_torch_feature(*names: str) -> None:
+    """Inside a test, after fully_shard's own checks: skip the rest (the comparison) where torch lacks ``names``."""
+    reason = missing_torch_features(*names)
+    if reason is not None:
+        pytest.skip(reason)
