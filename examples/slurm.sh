@@ -29,8 +29,8 @@ export OMP_NUM_THREADS=$(( ${SLURM_CPUS_PER_TASK:-$GPUS_PER_NODE} / GPUS_PER_NOD
 # c10d rendezvous keeps one store for all restarts, so a restarted worker can read a dead one's
 # address: "Gloo connectFullMesh failed ... Connection refused" (NCCL: "socketPollConnect ...
 # Connection refused", pytorch/pytorch#167288), or a hang. examples/train.py gives every attempt
-# its own keys (another script: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see
-# docs/troubleshooting.md). Allow several restarts all the same, and bound the waits so that a
+# its own keys (another script: the same, or torch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, not
+# tried here; see docs/troubleshooting.md). Allow several restarts all the same, and bound the waits so that a
 # failed attempt ends and the next one runs: RDZV_TIMEOUT for the rendezvous and the process
 # group (--dist-timeout), instead of torch's defaults of 10 and 30 minutes.
 # To lose a node without stopping the others, see docs/fault-tolerance.md (torchft).
