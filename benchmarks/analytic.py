@@ -124,3 +124,51 @@ def unsharded_in_flight_bytes(groups: list[Group], world: int, param_dtype: torc
         reverse=True,
     )
     return sum(sizes[:k])
+
+
+def quantized_collective_bytes(
+    groups: list[Group],
+    world: int,
+    weight_bits: int | None,
+    grad_bits: int | None,
+    block: int,
+    is_exact: Any,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    replicate: int = 1,
+) -> dict[str, Any]:
+    """Input bytes per rank of one forward+backward under ``fully_shard.quant``, by phase and collective, as the
+    recorder counts them: per group, the quantized elements of a rank's row in blocks of ``block`` (4 scale bytes and
+    ``block * bits / 8`` code bytes each, the last block padded) and the elements of the parameters ``is_exact(name)``
+    keeps in their dtype. All-gather: one all-gather of that row. Reduce-scatter: one all-to-all of ``world`` rows.
+    HSDP (``replicate > 1``): the all-reduce of the shard is an all-to-all of ``replicate`` chunks of its quantized
+    part, an all-gather of one chunk and an fp32 all-reduce of its exact elements. ``None`` bits: the exact collective."""
+
+    def row(quant: int, exact: int, bits: int, exact_itemsize: int) -> int:
+        return math.ceil(quant / block) * (4 + block * bits // 8) + exact * exact_itemsize
+
+    out: dict[str, Any] = {"forward": {}, "backward": {}}
+
+    def add(phase: str, kind: str, nbytes: int) -> None:
+        out[phase][kind] = out[phase].get(kind, 0) + nbytes
+
+    for g in groups:
+        quant = sum(padded_shard_numel(s, world) for n, s, _ in g.params if not is_exact(n))
+        exact = sum(padded_shard_numel(s, world) for n, s, _ in g.params if is_exact(n))
+        pdt, rdt = param_dtype or g.params[0][2], reduce_dtype or param_dtype or g.params[0][2]
+        ag = (quant + exact) * itemsize(pdt) if weight_bits is None or not quant else row(quant, exact, weight_bits, itemsize(pdt))
+        for phase in ("forward", "backward") if g.resharded_after_forward else ("forward",):
+            add(phase, "all_gather", ag)
+        if grad_bits is None or not quant:
+            add("backward", "reduce_scatter", world * (quant + exact) * itemsize(rdt))
+            if replicate > 1:
+                add("backward", "all_reduce", (quant + exact) * itemsize(rdt))
+            continue
+        add("backward", "all_to_all", world * row(quant, exact, grad_bits, itemsize(rdt)))
+        if replicate > 1:
+            c = math.ceil(quant / replicate)
+            add("backward", "all_to_all", replicate * row(c, 0, grad_bits, 0))
+            add("backward", "all_gather", row(c, 0, grad_bits, 0))
+            if exact:
+                add("backward", "all_reduce", exact * 4)
+    return out

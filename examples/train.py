@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     s("--compile", action="store_true", help="torch.compile each block (after AC, before fully_shard)")
     s("--reshard-after-forward", choices=sorted(RESHARD), default="none", help="none: all but the root")
+    s("--comm-quant", choices=("none", "int8", "int4"), default="none", help="quantized collectives (fully_shard.quant): "
+      "int8 weight all-gathers and int8 (or int4) gradient reductions; embeddings and norms stay exact")
+    s("--comm-quant-block", type=positive_int, default=256, help="values per fp32 scale in --comm-quant")
     s("--fsdp", choices=("fully_shard", "torch"), default="fully_shard", help="torch: torch's FSDP2 "
       "(torch.distributed.fsdp) instead, to compare")
     f = p.add_argument_group("fault tolerance (torchft; TOML table [fault_tolerance], keys without 'ft_')").add_argument
@@ -215,6 +218,12 @@ def run(args: argparse.Namespace) -> None:
             block.compile()  # in place: parameter names and state-dict keys unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
+    if args.comm_quant != "none":  # after fully_shard: the Comm objects go on every sharded module
+        from fully_shard.quant import quantize_comms
+
+        quantized = quantize_comms(model, weights="int8", grads=args.comm_quant, block_size=args.comm_quant_block)
+        log("quantized collectives: " + "; ".join(f"{name or '(root)'}: {how}" for name, how in list(quantized.items())[:2])
+            + (f"; ... ({len(quantized)} modules)" if len(quantized) > 2 else ""))
     adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     if args.optimizer == "muon":  # each block matrix orthogonalized once, on its owner rank
         from fully_shard.optim import MuonAdamW, muon_param_groups

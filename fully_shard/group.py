@@ -302,7 +302,8 @@ class ParamGroup:
                     if not pending.all_reduce:
                         self._partials[key] = output  # reduced within the shard group only
                         continue
-                    comm.all_reduce(output, info.replicate.group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label)
+                    comm.all_reduce(output, info.replicate.group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label,
+                                    self.reduce_scatter_comm)
                 if (hook := self.all_reduce_hook) is not None:
                     streams.detour(self.all_reduce_hook_stream, lambda: hook(output))
                 if work.post_divide is not None and work.post_divide != 1:
