@@ -148,6 +148,7 @@ SUBPACKAGES = (
     ("fully_shard.tools", "planner, comm trace, wrap helpers, debug mode"),
     ("fully_shard.ckpt", "crash-safe checkpoints, CheckpointManager, conversion to one file"),
     ("fully_shard.quant", "quantized all-gather / reduce-scatter as torch Comm objects, quantize_comms"),
+    ("fully_shard.tools.ft", "fault-tolerant HSDP on torchft: the replicate reduction and live recovery"),
 )
 
 
