@@ -20,6 +20,9 @@ would multiply where one per case composes. A local tensor that all-gathers itse
 travels through the all-gather, not where a rank's part lies nor which DTensors users see. It composes with every
 layout (float8 weights under TP on ``Shard(1)`` are tested) and is decided again at every all-gather, because the
 hooks may be patched onto the local tensor after ``fully_shard``; the layouts are fixed by the call.
+
+Torch's FSDP2 keeps all of this in one ``FSDPParam``: a spec-building method per mesh case, and the shard dim and the
+extension tested again in each buffer method.
 """
 
 from __future__ import annotations
