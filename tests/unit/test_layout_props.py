@@ -27,8 +27,8 @@ from fully_shard import comm
 from fully_shard.layout import EvenLayout, Layout, RowLayout, layout_for, reduced_parts, shard_layout
 from fully_shard.state import _map_tensors
 
-settings.register_profile("fully_shard", max_examples=40, deadline=None, database=None)
-settings.load_profile("fully_shard")
+# the same examples on every run (as tests/test_quant_comm.py), no example database written
+props = settings(max_examples=40, deadline=None, database=None, derandomize=True)
 
 worlds = st.integers(1, 16)
 dims = st.integers(0, 9)  # include sizes 0 and below the world size
@@ -69,6 +69,7 @@ def _full(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).view(shape)
 
 
+@props
 @given(row_cases())
 def test_shard_layout_tiles_the_rows_like_torch_chunk(case: tuple[tuple[int, ...], int]) -> None:
     shape, world = case
@@ -88,6 +89,7 @@ def test_shard_layout_tiles_the_rows_like_torch_chunk(case: tuple[tuple[int, ...
     assert world * layouts[0].slot_numel >= math.prod(shape)
 
 
+@props
 @given(layout_cases())
 def test_parts_tile_the_tensor_in_equal_slots(case: tuple[tuple[int, ...], int, int]) -> None:
     shape, world, dim = case
@@ -110,6 +112,7 @@ def _gathered(parts: list[torch.Tensor], slot: int) -> torch.Tensor:
     return out.view(-1)
 
 
+@props
 @given(st.lists(layout_cases(), min_size=1, max_size=3).filter(lambda cs: len({w for _, w, _ in cs}) == 1))
 def test_shard_then_gather_is_the_identity(cases: list[tuple[tuple[int, ...], int, int]]) -> None:
     """A group of parameters (one world): each rank packs its parts into its slots of one all-gather output; every
@@ -133,6 +136,7 @@ def test_shard_then_gather_is_the_identity(cases: list[tuple[tuple[int, ...], in
             assert unsharded.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view, no copy
 
 
+@props
 @given(layout_cases())
 def test_one_rank_gather_copies_the_shard(case: tuple[tuple[int, ...], int, int]) -> None:
     """Over one rank ``comm.all_gather`` issues nothing and hands the shards to ``copy_out`` unpadded."""
@@ -148,6 +152,7 @@ def test_one_rank_gather_copies_the_shard(case: tuple[tuple[int, ...], int, int]
 nonempty = layout_cases().filter(lambda c: math.prod(c[0]) > 0)
 
 
+@props
 @given(st.lists(nonempty, min_size=1, max_size=3).filter(lambda cs: len({w for _, w, _ in cs}) == 1))
 def test_reduce_scatter_rows_are_each_ranks_parts(cases: list[tuple[tuple[int, ...], int, int]]) -> None:
     """The reduce-scatter input (``torch._chunk_cat`` of ``grad_for_reduce``, as ``comm.reduce_scatter`` builds it): row
@@ -167,6 +172,7 @@ def test_reduce_scatter_rows_are_each_ranks_parts(cases: list[tuple[tuple[int, .
         assert inp[rank].sum() == sum(p.sum() for p in parts)  # the rest, padding, is zeros
 
 
+@props
 @given(even_cases(), st.data())
 def test_self_gather_views_put_each_ranks_slot_in_place(case: tuple[tuple[int, ...], int, int], data: Any) -> None:
     """A self-gathering tensor's inputs may have any shape: ``rank_major`` writes rank ``r``'s slot where ``joined``
@@ -182,6 +188,7 @@ def test_self_gather_views_put_each_ranks_slot_in_place(case: tuple[tuple[int, .
     assert torch.equal(lay.joined(flat, slot), torch.cat(parts, dim=dim))
 
 
+@props
 @given(row_cases())
 def test_row_slot_shape_pads_what_has_this_ranks_rows(case: tuple[tuple[int, ...], int]) -> None:
     shape, world = case
@@ -194,6 +201,7 @@ def test_row_slot_shape_pads_what_has_this_ranks_rows(case: tuple[tuple[int, ...
             assert lay.slot_shape(torch.Size((chunk + 1,))) == (chunk + 1,)
 
 
+@props
 @given(st.integers(1, 16), st.integers(1, 16))
 def test_even_layout_refuses_an_uneven_dim(world: int, size: int) -> None:
     if size % world == 0:
@@ -209,6 +217,7 @@ def test_even_layout_refuses_an_uneven_dim(world: int, size: int) -> None:
 
 # -- how to average ------------------------------------------------------------
 
+@props
 @given(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]), st.integers(1, 4096),
        st.one_of(st.none(), st.floats(0.5, 1e4)), st.booleans())
 def test_divide_factors_average_once(dtype: torch.dtype, n: int, factor: float | None, force_sum: bool) -> None:
@@ -259,7 +268,7 @@ def _leaves(obj: Any) -> list[Any]:
     return [obj]
 
 
-@settings(max_examples=25)
+@settings(props, max_examples=25)
 @given(structures)
 def test_map_tensors_maps_every_tensor_and_keeps_the_structure(obj: Any) -> None:
     assert _map_tensors(lambda t: t, obj) is obj  # nothing changed: nothing rebuilt
