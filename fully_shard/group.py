@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from . import comm
+from .layout import reduced_parts
 from .mesh import MeshInfo
-from .param import ShardedParam, accumulate_sharded_grads, reduced_parts
+from .param import ShardedParam, accumulate_sharded_grads
 from .streams import Streams
 
 
@@ -85,7 +86,8 @@ class ParamGroup:
 
     def _split_buckets(self) -> None:
         self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
-        self._ext = _buckets([p for p in self.params if p.extension], lambda p: torch.uint8)
+        ext = _buckets([p for p in self.params if p.extension], lambda p: torch.uint8)
+        self._ext = [[g for p in b if (g := p.self_gather) is not None] for b in ext]
 
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
         self.state = state if reset else next_state(self.label, self.state, state)
@@ -122,21 +124,21 @@ class ParamGroup:
         for b in self._gather_buckets:
             pf = self.post_forward.get(id(b[0].mesh_info))
             shards = [p.post_forward_slice if pf else p.all_gather_input() for p in b]
-            numels = [p.unsharded_numel // pf.size if pf else p.shard_numel for p in b]
+            numels = [p.layout.padded_numel // pf.size if pf else p.layout.slot_numel for p in b]
             what = f"all-gather of {self.label}'s parameters" + (f" within {pf.size} ranks, for backward" if pf else "")
             works.append(gather(shards, numels, b[0].unsharded_dtype, what, pf or b[0].mesh_info.shard))
         for p in self.params:
             p.post_forward_slice = None  # packed into the all-gather input
         self._ext_slots = []
-        for b in self._ext:
+        for gathers in self._ext:
             inputs, slots = [], []
-            for p in b:
-                flats, sizes = p.ext_all_gather_inputs()
+            for g in gathers:
+                flats, sizes = g.all_gather_inputs()
                 inputs += flats
                 slots += sizes
             self._ext_slots.append(slots)
             what = f"all-gather of {self.label}'s tensor-subclass parameters"
-            works.append(gather(inputs, slots, torch.uint8, what, b[0].mesh_info.shard))
+            works.append(gather(inputs, slots, torch.uint8, what, gathers[0].param.mesh_info.shard))
         return works
 
     def wait_for_unshard(self) -> None:
@@ -150,14 +152,14 @@ class ParamGroup:
             world = work.world_size
             for p in bucket:
                 p.alloc_unsharded()
-            comm.copy_out(work, [p.unsharded_numel // world for p in bucket], [p.gather_dest(world) for p in bucket])
+            comm.copy_out(work, [p.layout.padded_numel // world for p in bucket], [p.gather_dest(world) for p in bucket])
             for p in bucket:
                 p.note_unsharded_version()
-        for bucket, slots, work in zip(self._ext, self._ext_slots, self._all_gathers[len(self._gather_buckets) :]):
-            comm.copy_out(work, slots, [d for p in bucket for d in p.ext_gather_dests()])
-            for p in bucket:
-                p.ext_post_all_gather()
-                p.note_unsharded_version()
+        for gathers, slots, work in zip(self._ext, self._ext_slots, self._all_gathers[len(self._gather_buckets) :]):
+            comm.copy_out(work, slots, [d for g in gathers for d in g.gather_dests()])
+            for g in gathers:
+                g.post_all_gather()
+                g.param.note_unsharded_version()
         self._hold_all_gathers()
         for p in self.params:
             p.register(unsharded=True)
@@ -278,7 +280,7 @@ class ParamGroup:
         info = bucket[0].mesh_info
         ranks = dataclasses.replace(info.shard, group=self.reduce_scatter_groups.get(id(info), info.shard.group))
         return comm.reduce_scatter(
-            [p.grad_for_reduce(grads[p]) for p in bucket], ranks, bucket[0].reduce_dtype,
+            [p.layout.grad_for_reduce(grads[p]) for p in bucket], ranks, bucket[0].reduce_dtype,
             dp_size=ranks.size * (info.replicate.size if info.replicate else 1), divide_factor=self.gradient_divide_factor,
             force_sum=self.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients", label=self.label,
             custom=self.reduce_scatter_comm,
@@ -308,7 +310,7 @@ class ParamGroup:
                     streams.detour(self.all_reduce_hook_stream, lambda: hook(output))
                 if work.post_divide is not None and work.post_divide != 1:
                     output.div_(work.post_divide)
-                to_host |= accumulate_sharded_grads(params, reduced_parts(params, output))
+                to_host |= accumulate_sharded_grads(params, reduced_parts([p.layout for p in params], output))
         done = streams.record("reduce_scatter")
         streams.current_waits(done)
         if to_host:

@@ -7,7 +7,7 @@ Example::
     >>> print(plan("llama3-8b", 64))
 """
 
-from ..param import ShardLayout, shard_layout
+from ..layout import ShardLayout, shard_layout
 from .clip import clip_grad_norm_
 from .debug import CollectiveMismatchError, debug_collectives, is_debug, set_debug
 from .models import PRESETS, hf_model, load_model

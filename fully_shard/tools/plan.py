@@ -28,8 +28,9 @@ import torch
 import torch.nn as nn
 
 from ..api import _as_modules, check_options, walk_params
+from ..layout import ShardLayout, shard_layout
 from ..mesh import reshard_setting
-from ..param import ShardLayout, param_dtypes, shard_layout
+from ..param import param_dtypes
 from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..streams import accelerator_type, has_streams
 from .activations import estimate_activations
