@@ -15,6 +15,7 @@ What the switch reaches, and what it cannot, is in docs/frameworks.md.
 
 from __future__ import annotations
 
+import ast
 import gc
 import importlib
 import logging
@@ -22,6 +23,7 @@ import os
 import runpy
 import sys
 import warnings
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -45,6 +47,8 @@ _TORCH_CLIENTS = ("torch.distributed.pipelining",)
 
 # (module, name, torch's object, ours) for every name install() replaced, in the order it replaced them
 _patches: list[tuple[ModuleType, str, Any, Any]] = []
+_torch_objects: dict[str, Any] = {}  # public name -> torch's object
+_before: set[str] = set()  # the modules imported when install() ran
 
 
 def install() -> list[str]:
@@ -74,21 +78,19 @@ def install() -> list[str]:
         return _describe(_patches)
     for name in _TORCH_CLIENTS:
         importlib.import_module(name)
-    originals: dict[int, str] = {}  # id(torch's object) -> its public name
-    for namespace in NAMESPACES:
-        module = importlib.import_module(namespace)
+    # every namespace first: one imported after another was switched would take fully_shard's names as torch's
+    namespaces = [importlib.import_module(name) for name in NAMESPACES]
+    for module in namespaces:
         for name in NAMES:
             if name in vars(module):
-                originals[id(getattr(module, name))] = name
+                _torch_objects[name] = vars(module)[name]
                 _replace(module, name, OURS[name])
-    for module in list(sys.modules.values()):  # modules that bound torch's objects before install
-        # vars(): a lazy module's attribute lookup would import what it has not yet
-        top = str(vars(module).get("__name__", "")).split(".")[0] if isinstance(module, ModuleType) else "torch"
-        if top in ("torch", "fully_shard"):
-            continue
+    public_name = {id(obj): name for name, obj in _torch_objects.items()}
+    for module in _modules(outside_torch=True):  # modules that bound torch's objects before install
         for attr, value in list(vars(module).items()):
-            if id(value) in originals:
-                _replace(module, attr, OURS[originals[id(value)]])
+            if id(value) in public_name:
+                _replace(module, attr, OURS[public_name[id(value)]])
+    _before.update(sys.modules)
     done = _describe(_patches)
     log.info("fully_shard.install(): torch's FSDP2 names now resolve to fully_shard's: %s", _summary(done))
     _warn_torch_sharded()
@@ -97,8 +99,9 @@ def install() -> list[str]:
 
 def uninstall() -> list[str]:
     """Undo :func:`install`: every name it replaced is torch's object again (the same object: ``is`` holds), unless
-    something rebound it since. Modules sharded while the switch was on stay fully_shard's and keep working; modules
-    imported while it was on keep what they imported (as after any ``from m import name``).
+    something rebound it since, and so is every name a module imported while the switch was on took from torch's
+    namespaces (read from its ``from ... import`` statements; a name it imported from fully_shard stays).
+    Modules sharded while the switch was on stay fully_shard's and keep working.
 
     Returns:
         what it restored, as ``"module.name"`` strings.
@@ -109,15 +112,48 @@ def uninstall() -> list[str]:
         >>> import torch.distributed.fsdp
         >>> assert torch.distributed.fsdp.fully_shard is not fully_shard.fully_shard  # torch's own again
     """
+    if not _patches:
+        return []
+    _patches.extend(_imported_while_on())
     restored = []
     while _patches:
         module, name, original, ours = _patches.pop()
         if vars(module).get(name) is ours:
             setattr(module, name, original)
             restored.append((module, name, original, ours))
+    _before.clear()
     done = _describe(restored[::-1])
     log.info("fully_shard.uninstall(): restored torch's %s", _summary(done))
     return done
+
+
+def _modules(outside_torch: bool) -> list[ModuleType]:
+    """The imported modules, but fully_shard's (and torch's, with ``outside_torch``)."""
+    skip = ("torch", "fully_shard") if outside_torch else ("fully_shard",)
+    # vars(): a lazy module's attribute lookup would import what it has not yet
+    return [m for m in list(sys.modules.values())
+            if isinstance(m, ModuleType) and str(vars(m).get("__name__", "")).split(".")[0] not in skip]
+
+
+def _imported_while_on() -> list[tuple[ModuleType, str, Any, Any]]:
+    """(module, name, torch's object, ours) for each name that a module imported while the switch was on bound with
+    ``from <one of NAMESPACES> import ...``: it holds fully_shard's object now, and torch's belongs there."""
+    ours = {id(obj) for obj in OURS.values()}
+    found = []
+    for module in _modules(outside_torch=False):
+        path = vars(module).get("__file__")
+        if vars(module).get("__name__") in _before or not any(id(v) in ours for v in vars(module).values()):
+            continue
+        try:
+            tree = ast.parse(Path(str(path)).read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            for alias in node.names if isinstance(node, ast.ImportFrom) and node.module in NAMESPACES else []:
+                bound = alias.asname or alias.name
+                if alias.name in OURS and vars(module).get(bound) is OURS[alias.name]:
+                    found.append((module, bound, _torch_objects[alias.name], OURS[alias.name]))
+    return found
 
 
 def _replace(module: ModuleType, name: str, ours: Any) -> None:
@@ -139,7 +175,7 @@ def _summary(done: list[str]) -> str:
 
 
 def _warn_torch_sharded() -> None:
-    torch_module = next(original for _, name, original, _ in _patches if name == "FSDPModule")
+    torch_module = _torch_objects["FSDPModule"]
     found = [type(obj).__name__ for obj in gc.get_objects() if issubclass(type(obj), torch_module)]
     if found:
         warnings.warn(f"fully_shard.install(): {len(found)} module(s) are already sharded by torch's FSDP2 (e.g. {found[0]}); "

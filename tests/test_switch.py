@@ -3,8 +3,10 @@ fully_shard's for code we did not write, and back.
 
 * The mechanism, in this process: every name in torch's FSDP2 namespaces is ours after install() and torch's own
   object again after uninstall() (``is``); a module that imported the names before install() is rebound (an alias
-  too) and restored; one imported while the switch is on keeps ours; torch's pipelining keeps torch's; install()
-  logs what it replaced; the launcher runs a script and a module as ``__main__``.
+  too) and restored; one that imported them from torch while the switch was on gets torch's back, one that imported
+  them from fully_shard keeps ours; torch's pipelining keeps torch's; install() logs what it replaced; the launcher
+  runs a script and a module as ``__main__``, and in a fresh process (where install() first imports torch's old
+  ``_composable.fsdp`` path) uninstall() still restores torch's names there.
 * accelerate 1.15 (``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
   auto_wrap_policy="transformer_based_wrap"), cpu=True)``, ``prepare``, 3 steps) on a tiny untied
   ``LlamaForCausalLM``, 2 gloo ranks: the modules accelerate shards are fully_shard's, losses and parameters are
@@ -77,6 +79,7 @@ def test_install_switches_torch_names_and_uninstall_restores_the_same_objects(tm
     assert "torch.distributed.fsdp.fully_shard" in torch_objects and "torch.distributed._composable.fsdp.FSDPModule" in torch_objects
     (tmp_path / "client_before.py").write_text("from torch.distributed.fsdp import fully_shard, FSDPModule as TheirModule\n")
     (tmp_path / "client_after.py").write_text("from torch.distributed._composable.fsdp import fully_shard, FSDPModule\n")
+    (tmp_path / "client_ours.py").write_text("from fully_shard import fully_shard, FSDPModule\n")
     sys.path.insert(0, str(tmp_path))
     try:
         import client_before  # type: ignore[import-not-found]
@@ -90,6 +93,7 @@ def test_install_switches_torch_names_and_uninstall_restores_the_same_objects(tm
                 assert _lookup(dotted) is getattr(fully_shard, dotted.rpartition(".")[2]), dotted
             assert client_before.fully_shard is fully_shard.fully_shard and client_before.TheirModule is fully_shard.FSDPModule
             import client_after  # type: ignore[import-not-found]
+            import client_ours  # type: ignore[import-not-found]
 
             assert client_after.fully_shard is fully_shard.fully_shard and client_after.FSDPModule is fully_shard.FSDPModule
             # torch's pipelining drives torch's internals through the names: it keeps torch's
@@ -97,15 +101,17 @@ def test_install_switches_torch_names_and_uninstall_restores_the_same_objects(tm
             assert "torch.distributed.fsdp.{fully_shard, FSDPModule," in caplog.text and "client_before.{" in caplog.text
         finally:
             restored = fully_shard.uninstall()
-        assert sorted(restored) == sorted(replaced)
+        # what install() replaced, and what the module imported while it was on took from torch's namespace
+        assert sorted(restored) == sorted([*replaced, "client_after.fully_shard", "client_after.FSDPModule"])
         assert fully_shard.uninstall() == []
         for dotted, original in torch_objects.items():
             assert _lookup(dotted) is original, dotted
         assert client_before.TheirModule is torch_objects["torch.distributed.fsdp.FSDPModule"]
-        assert client_after.fully_shard is fully_shard.fully_shard  # imported while on: keeps what it imported
+        assert client_after.FSDPModule is torch_objects["torch.distributed.fsdp.FSDPModule"]
+        assert client_ours.fully_shard is fully_shard.fully_shard  # imported from fully_shard: stays
     finally:
         sys.path.remove(str(tmp_path))
-        for name in ("client_before", "client_after"):
+        for name in ("client_before", "client_after", "client_ours"):
             sys.modules.pop(name, None)
 
 
@@ -113,22 +119,26 @@ def test_only_the_switch_imports_torchs_fsdp() -> None:
     """The ground rule: nothing under fully_shard/ imports torch's FSDP2 (or _composable, _tools) but switch.py."""
     pattern = re.compile(r"^\s*(from|import)\s+torch\.distributed\.(fsdp|_composable|_tools)\b", re.MULTILINE)
     offenders = {p.relative_to(ROOT).as_posix() for p in (ROOT / "fully_shard").rglob("*.py") if pattern.search(p.read_text())}
-    assert offenders == set(), offenders
-    switch_src = (ROOT / "fully_shard" / "switch.py").read_text()
-    assert "importlib.import_module(namespace)" in switch_src  # how it reaches them instead
+    assert offenders == set(), offenders  # switch.py reaches them through importlib, by the names in NAMESPACES
 
 
 def test_launcher_runs_a_script_and_a_module_as_main(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
+    # in a fresh process install() is the first to import torch.distributed._composable.fsdp, which re-exports from
+    # torch.distributed.fsdp: it must still get torch's names back from uninstall()
     script.write_text(
-        "import sys, torch.distributed.fsdp as f\n"
-        "print('ran', __name__, sys.argv[1:], f.fully_shard.__module__, sys.path[0] == " + repr(str(tmp_path)) + ")\n"
+        "import sys, fully_shard, torch.distributed.fsdp as f, torch.distributed._composable.fsdp as c\n"
+        "print('ran', __name__, sys.argv[1:], f.fully_shard.__module__, c.FSDPModule.__module__, sys.path[0] == "
+        + repr(str(tmp_path)) + ")\n"
+        "fully_shard.uninstall()\n"
+        "print('after', f.fully_shard.__module__, c.fully_shard.__module__, c.FSDPModule.__module__)\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "RANK": "0"}
     run = subprocess.run([sys.executable, "-m", "fully_shard.switch", str(script), "--lr", "3"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert "ran __main__ ['--lr', '3'] fully_shard.api True" in run.stdout, run.stdout
+    assert "ran __main__ ['--lr', '3'] fully_shard.api fully_shard.api True" in run.stdout, run.stdout
+    assert "after torch.distributed.fsdp torch.distributed.fsdp torch.distributed.fsdp" in run.stdout, run.stdout
     assert "fully_shard.switch: torch's FSDP2 names now resolve to fully_shard's: torch.distributed.fsdp.{" in run.stderr
 
 
@@ -386,6 +396,7 @@ def test_trainer_fsdp2_config_trains_on_fully_shard_like_torch(tmp_path: Path) -
     ours = run_distributed(_trainer, 2, "ours", True, str(tmp_path))[0]
     theirs = run_distributed(_trainer, 2, "torch", True, str(tmp_path))[0]
     assert ours["sharding"] == dict.fromkeys(theirs["sharding"], "fully_shard") and "model.layers.1" in ours["sharding"]
+    # transformers' own sharding module binds fully_shard at import: rebound by install(), or given back by uninstall()
     assert (ours["hf_binding"], theirs["hf_binding"]) == ("fully_shard.api", "torch.distributed.fsdp")
     assert len(ours["losses"]) == 3 and ours["losses"] == theirs["losses"]
     _assert_bitwise(ours["params"], theirs["params"])
