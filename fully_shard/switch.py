@@ -85,7 +85,7 @@ def install() -> list[str]:
             if name in vars(module):
                 _torch_objects[name] = vars(module)[name]
                 _replace(module, name, OURS[name])
-    public_name = {id(obj): name for name, obj in _torch_objects.items()}
+    public_name = {id(original): name for _, name, original, _ in _patches}
     for module in _modules(outside_torch=True):  # modules that bound torch's objects before install
         for attr, value in list(vars(module).items()):
             if id(value) in public_name:
