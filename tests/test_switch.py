@@ -37,6 +37,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,8 +173,6 @@ def _torch_sharded_then_install() -> dict[str, Any]:
     model = torch_fsdp.fully_shard(nn.Linear(4, 4))
     policy = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.float64, cast_forward_inputs=False)
     offload = torch_fsdp.CPUOffloadPolicy(pin_memory=False)
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fully_shard.install()
@@ -195,8 +194,11 @@ def _torch_sharded_then_install() -> dict[str, Any]:
 
 def test_modules_torch_sharded_before_install_warn_and_keep_running() -> None:
     out = run_distributed(_torch_sharded_then_install, 2)[0]
-    assert any("1 module(s) are already sharded by torch's FSDP2 (e.g. FSDPLinear)" in w and
-               "Call fully_shard.install() before the framework shards the model" in w for w in out["warnings"]), out["warnings"]
+    # this test's Linear, and whatever torch-sharded modules earlier tests left alive in the worker
+    found = [re.match(r"fully_shard.install\(\): (\d+) module\(s\) are already sharded by torch's FSDP2 \(e.g. FSDP\w+\); they "
+                      r"keep running on torch's code .* Call fully_shard.install\(\) before the framework shards the model", w)
+             for w in out["warnings"]]
+    assert any(m and int(m.group(1)) >= 1 for m in found), out["warnings"]
     assert out["still_torch"]
     assert out["policy"] == ("fully_shard.policy", torch.float64, False)
     assert out["out_dtype"] == torch.float64
