@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -146,6 +147,7 @@ def fully_shard(
         >>> model(tokens).sum().backward(); opt.step(); opt.zero_grad()
     """
     modules = _as_modules(module)
+    mp_policy, offload_policy, dp_mesh_dims = (_own_policy(p) for p in (mp_policy, offload_policy, dp_mesh_dims))
     check_options(mp_policy, offload_policy, reshard_after_forward)
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
     device = mesh_info.device
@@ -194,6 +196,18 @@ def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: An
         raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
+
+
+_POLICIES = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy, DataParallelMeshDims)}
+
+
+def _own_policy(value: Any) -> Any:
+    """A policy built from torch's FSDP2 class of the same name (by a framework, before ``fully_shard.install()``) as
+    fully_shard's: the same fields mean the same."""
+    ours = _POLICIES.get(type(value).__name__)
+    if ours is None or isinstance(value, ours) or not type(value).__module__.startswith("torch.distributed.fsdp"):
+        return value
+    return ours(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
 
 
 def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, info: MeshInfo,
