@@ -287,7 +287,7 @@ def lines_design_region() -> str:
     rows = ["| file | lines |", "| --- | --- |"]
     rows += [f"| `{os.path.basename(p)}` | {n:,} |" for p, n in core.items()]
     rows.append(f"| **core, `fully_shard/*.py`** | **{sum(core.values()):,}** |")
-    for sub in ("optim", "tools", "ckpt", "quant"):
+    for sub in ("optim", "tools", "ckpt", "quant", "switch"):
         rows.append(f"| `{sub}/` (not core) | {sum(_line_counts(f'fully_shard/{sub}/*.py').values()):,} |")
     return "\n".join(rows)
 

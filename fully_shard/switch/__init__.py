@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import api
+from .. import api
 
 __all__ = ["install", "uninstall", "main"]
 
@@ -208,8 +208,3 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
         runpy.run_path(args[0], run_name="__main__")
 
-
-if __name__ == "__main__":
-    from fully_shard.switch import main as _main  # the imported module, whose state install()/uninstall() share
-
-    _main()
