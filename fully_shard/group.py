@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -49,6 +49,26 @@ def next_state(label: str, current: GroupState, new: GroupState) -> GroupState:
     return new
 
 
+@dataclass(frozen=True)
+class GroupOptions:
+    """A group's settings from the ``FSDPModule`` setters (per group, as in torch; ``reshard_after_forward`` and the
+    prefetch lists are per ``FSDPState``, ``is_last_backward`` per root). Frozen: setters ``dataclasses.replace`` it."""
+
+    requires_gradient_sync: bool = True  # off: gradients accumulate unsharded until a backward with it on
+    requires_all_reduce: bool = True  # HSDP: all-reduce across replicas after the reduce-scatter
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    reduce_scatter_unused_params: bool = False  # reduce zeros for unused parameters
+    force_sum_reduction: bool = False
+    gradient_divide_factor: float | None = None  # None: average over the data-parallel ranks
+    max_input_buffers: int = 1  # reductions kept in flight (the root's RootContext takes the largest)
+    all_gather_comm: Any = None  # torch's Comm API (set_custom_all_gather, or a PoolComm)
+    reduce_scatter_comm: Any = None
+    reduce_scatter_groups: Mapping[int, torch.distributed.ProcessGroup] = field(default_factory=dict)  # by id(MeshInfo)
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_hook_stream: Any = None  # the user's stream to run it on (a torch.Stream)
+
+
 class ParamGroup:
     """All-gathers and reduce-scatters the parameters of one ``fully_shard`` call: one all-gather rebuilds them all (one
     per unsharded dtype when dtypes are mixed, and per mesh when ``shard_placement_fn`` puts parameters on their own);
@@ -67,20 +87,7 @@ class ParamGroup:
         self._all_gathers: list[comm.CollectiveWork] = []  # in flight while UNSHARDING
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
         self._partials: dict[tuple[int, ...], torch.Tensor] = {}  # HSDP, all-reduce off: reduce-scatter outputs awaiting it
-        # user controls (FSDPModule setters)
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.reshard_after_backward = True
-        self.gradient_divide_factor: float | None = None
-        self.unshard_in_backward = True
-        self.reduce_scatter_unused_params = False  # reduce zeros for unused parameters
-        self.force_sum_reduction = False
-        self.max_input_buffers = 1  # reductions kept in flight (the root's RootContext takes the largest)
-        self.all_gather_comm: Any = None  # torch's Comm API (set_custom_all_gather)
-        self.reduce_scatter_comm: Any = None
-        self.reduce_scatter_groups: dict[int, torch.distributed.ProcessGroup] = {}  # by id(MeshInfo); else the shard group
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self.all_reduce_hook_stream: Any = None  # the user's stream to run it on (a torch.Stream)
+        self.options = GroupOptions()  # the user's settings: FSDPModule._update replaces it
         self.needs_post_backward = False  # set by pre-forward under grad mode; cleared once post-backward has run
         self.reduce_at_end = False  # skipped on some rank (reduce_scatter_unused_params): reduced in finalize_backward
 
@@ -91,6 +98,9 @@ class ParamGroup:
 
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
         self.state = state if reset else next_state(self.label, self.state, state)
+
+    all_gather_comm = property(lambda self: self.options.all_gather_comm)  # the Comms its collectives use
+    reduce_scatter_comm = property(lambda self: self.options.reduce_scatter_comm)
 
     def _streams(self) -> Streams:
         if self.streams is None:  # used before any root forward (e.g. an explicit unshard())
@@ -115,7 +125,7 @@ class ParamGroup:
         themselves); from POST_FORWARD, a mesh's kept slices within its k ranks."""
 
         def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, ranks: comm.Ranks) -> comm.CollectiveWork:
-            return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label, self.all_gather_comm)
+            return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label, self.options.all_gather_comm)
 
         # which parameters gather themselves is looked up afresh (hooks patched on later); not for kept slices
         if not self.post_forward and any([p.refresh_extension() for p in self.params]):
@@ -236,6 +246,7 @@ class ParamGroup:
         in torch's FSDP2 (which parameters are used must then be the same on every rank), unless
         ``reduce_scatter_unused_params``."""
         self.needs_post_backward = False
+        options = self.options
         grads: dict[ShardedParam, torch.Tensor] = {}  # the parameters to reduce, in order
         for p in self.params:
             grad = p.unsharded_grad
@@ -245,12 +256,12 @@ class ParamGroup:
                 if grad is not None:
                     p.accumulated_grad.add_(grad)
                 grad = p.accumulated_grad
-            if grad is None and self.reduce_scatter_unused_params and self.requires_gradient_sync and p.sharded_param.requires_grad:
+            if grad is None and options.reduce_scatter_unused_params and options.requires_gradient_sync and p.sharded_param.requires_grad:
                 # unused here, maybe used on another rank: every rank reduces the same tensors
                 grad = torch.zeros(p.size, dtype=p.reduce_dtype, device=self.device)
             if grad is None:
                 continue
-            if not self.requires_gradient_sync:
+            if not options.requires_gradient_sync:
                 # kept unsharded, in the reduce dtype, until a synced backward
                 p.accumulated_grad = grad if grad.dtype == p.reduce_dtype else grad.to(p.reduce_dtype)
                 continue
@@ -266,24 +277,24 @@ class ParamGroup:
         with streams.use("reduce_scatter"):  # one per reduce dtype and mesh
             reductions = [(self._reduce_scatter(bucket, grads), bucket) for bucket in _buckets(list(grads), lambda p: p.reduce_dtype)]
         # streams: the gradients are read on the reduce-scatter stream, held until its wait; without, packed already: freed
-        return PendingReduce(self, reductions, self.requires_all_reduce, list(grads.values()) if streams.backend is not None else [])
+        return PendingReduce(self, reductions, options.requires_all_reduce, list(grads.values()) if streams.backend is not None else [])
 
     def _alias_grads(self, grads: dict[ShardedParam, torch.Tensor]) -> bool:
         """Whether reducing these gradients is the identity (one rank, no replicas, no divide factor, hook or cast):
         each sharded gradient is then its unsharded one, no copy."""
-        if self.gradient_divide_factor is not None or self.all_reduce_hook is not None or self.force_sum_reduction:
+        if (o := self.options).gradient_divide_factor is not None or o.all_reduce_hook is not None or o.force_sum_reduction:
             return False
         return all(p.mesh_info.shard.size == 1 and p.mesh_info.replicate is None and p.reduce_dtype == p.dtype == g.dtype
                    and g.device == p.shard_device and g.is_contiguous() for p, g in grads.items())
 
     def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[ShardedParam, torch.Tensor]) -> comm.ReduceScatterWork:
-        info = bucket[0].mesh_info
-        ranks = dataclasses.replace(info.shard, group=self.reduce_scatter_groups.get(id(info), info.shard.group))
+        info, o = bucket[0].mesh_info, self.options
+        ranks = dataclasses.replace(info.shard, group=o.reduce_scatter_groups.get(id(info), info.shard.group))
         return comm.reduce_scatter(
             [p.layout.grad_for_reduce(grads[p]) for p in bucket], ranks, bucket[0].reduce_dtype,
-            dp_size=ranks.size * (info.replicate.size if info.replicate else 1), divide_factor=self.gradient_divide_factor,
-            force_sum=self.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients", label=self.label,
-            custom=self.reduce_scatter_comm,
+            dp_size=ranks.size * (info.replicate.size if info.replicate else 1), divide_factor=o.gradient_divide_factor,
+            force_sum=o.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients", label=self.label,
+            custom=o.reduce_scatter_comm,
         )
 
     def finish_reduce(self, pending: PendingReduce) -> None:
@@ -305,9 +316,9 @@ class ParamGroup:
                         self._partials[key] = output  # reduced within the shard group only
                         continue
                     comm.all_reduce(output, info.replicate.group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label,
-                                    self.reduce_scatter_comm)
-                if (hook := self.all_reduce_hook) is not None:
-                    streams.detour(self.all_reduce_hook_stream, lambda: hook(output))
+                                    self.options.reduce_scatter_comm)
+                if (hook := self.options.all_reduce_hook) is not None:
+                    streams.detour(self.options.all_reduce_hook_stream, lambda: hook(output))
                 if work.post_divide is not None and work.post_divide != 1:
                     output.div_(work.post_divide)
                 to_host |= accumulate_sharded_grads(params, reduced_parts([p.layout for p in params], output))

@@ -91,7 +91,7 @@ class RootContext:
             pending.group.finish_reduce(pending)
 
     def resolve_max_in_flight(self) -> None:
-        self.max_in_flight = max((s.group.max_input_buffers for s in self.states if s.group is not None), default=1)
+        self.max_in_flight = max((s.group.options.max_input_buffers for s in self.states if s.group is not None), default=1)
 
     def queue_finalize(self) -> None:
         """Once per backward: have autograd call ``finalize_backward`` when it is done."""
@@ -119,7 +119,7 @@ class RootContext:
                 state.move_to(TrainingState.IDLE)
                 state.to_run.clear()  # passes opened by members called on their own
                 group = state.group
-                if group is not None and group.state is not GroupState.SHARDED and group.reshard_after_backward:
+                if group is not None and group.state is not GroupState.SHARDED and group.options.reshard_after_backward:
                     group.reshard()  # prefetched but never used, or kept after forward for a backward that never came
             self.post_forward_order = []
             self.callback_queued = False
@@ -428,7 +428,8 @@ class FSDPState:
         for state in ctx.states:
             if gathered := (group := state.group) is not None and group.is_unsharded and id(state) not in ran:
                 group.reshard()
-            if group is not None and group.reduce_scatter_unused_params and group.requires_gradient_sync and torch.is_grad_enabled():
+            if (group is not None and (o := group.options).reduce_scatter_unused_params and o.requires_gradient_sync
+                    and torch.is_grad_enabled()):
                 flagged.setdefault(id(group.mesh_info), []).append((state, group, 2 if id(state) in ran else int(gathered)))
         for pairs in flagged.values():
             self._agree_on_skipped(pairs)
@@ -444,7 +445,7 @@ class FSDPState:
         for ranks in (r for i in infos.values() for r in (i.shard, i.replicate) if r is not None and r.size > 1):
             all_reduce(seen, ranks.group, torch.distributed.ReduceOp.MAX, "exchange of the modules skipped per rank")
         for (state, group, _), (untouched, skipped, ran, held) in zip(pairs, seen.tolist()):
-            if (untouched and (skipped or ran)) or (skipped and ran and state.reshard_after_forward and group.unshard_in_backward):
+            if (untouched and (skipped or ran)) or (skipped and ran and state.reshard_after_forward and group.options.unshard_in_backward):
                 how = "was not all-gathered on the others" if untouched else "resharded after it: its backward all-gathers there only"
                 raise RuntimeError(f"fully_shard: {state._name()} ran forward on some ranks only and {how}. A module that may skip "
                                    "forward on a rank (mixture-of-experts routing) must be gathered on every rank: list it in "
@@ -485,7 +486,7 @@ class FSDPState:
                 # a backward reached this group: it owes a post-backward, even when several
                 # forwards ran before their backwards (pipelining: F0 F1 B0 B1)
                 self.group.needs_post_backward = True
-                if self.group.unshard_in_backward:
+                if self.group.options.unshard_in_backward:
                     self.group.unshard()
                     self._prefetch(self._backward_prefetch_targets(ctx))
 
@@ -504,7 +505,7 @@ class FSDPState:
             ctx.queue_finalize()
             group = self.group
             if group is not None:
-                if group.reshard_after_backward:
+                if group.options.reshard_after_backward:
                     group.reshard()  # first: the full parameters are freed before the reduce-scatter buffers exist
                 with torch.no_grad():  # a group skipped on some rank: at the end of backward
                     pending = None if group.reduce_at_end else group.reduce_grads()
