@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -15,6 +15,15 @@ from .layout import reduced_parts
 from .mesh import MeshInfo
 from .param import ShardedParam, accumulate_sharded_grads
 from .streams import Streams
+
+E = TypeVar("E", bound=Enum)
+
+
+def transition(who: str, table: Mapping[E, Collection[E]], current: E, new: E) -> E:
+    """``new`` if ``table`` lets ``who`` go there from ``current``, else an internal error: every state machine's move."""
+    if new not in table[current]:
+        raise AssertionError(f"fully_shard internal error: {who} cannot go from {current.name} to {new.name}")
+    return new
 
 
 class GroupState(Enum):
@@ -44,9 +53,27 @@ def next_state(label: str, current: GroupState, new: GroupState) -> GroupState:
         >>> next_state("layers.0", GroupState.SHARDED, GroupState.UNSHARDING)
         <GroupState.UNSHARDING: 3>
     """
-    if new not in _TRANSITIONS[current]:
-        raise AssertionError(f"fully_shard internal error: group {label} cannot go from {current.name} to {new.name}")
-    return new
+    return transition(f"group {label}", _TRANSITIONS, current, new)
+
+
+class GradState(Enum):
+    """What a group owes the backward. Gradients kept with gradient sync off are data, not state: each parameter's
+    ``accumulated_grad`` (one full gradient, in the reduce dtype) holds them whatever the member."""
+
+    NONE = auto()  # owes nothing: entered by its post-backward (reduce_grads) and by reset()
+    DUE = auto()  # entered when a forward under grad mode, or a backward, reaches it: autograd leaves full gradients on
+    #               the unsharded parameters, which its post-backward reduces (from _PostBackward, else at the end)
+    AT_END = auto()  # as DUE, but its module ran on some ranks only (reduce_scatter_unused_params): entered by the
+    #                  root's agreement; only the end-of-backward callback reduces it, on every rank in module order
+
+
+# reduce_grads may run owing nothing (a second call's inputs; gradients that arrived after its post-backward); AT_END
+# is left only when the agreement or the end of backward makes it DUE again
+_GRAD_TRANSITIONS = {
+    GradState.NONE: {GradState.DUE, GradState.AT_END, GradState.NONE},
+    GradState.DUE: {GradState.NONE, GradState.AT_END},
+    GradState.AT_END: {GradState.DUE},
+}
 
 
 @dataclass(frozen=True)
@@ -88,8 +115,7 @@ class ParamGroup:
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
         self._partials: dict[tuple[int, ...], torch.Tensor] = {}  # HSDP, all-reduce off: reduce-scatter outputs awaiting it
         self.options = GroupOptions()  # the user's settings: FSDPModule._update replaces it
-        self.needs_post_backward = False  # set by pre-forward under grad mode; cleared once post-backward has run
-        self.reduce_at_end = False  # skipped on some rank (reduce_scatter_unused_params): reduced in finalize_backward
+        self.grad_state = GradState.NONE
 
     def _split_buckets(self) -> None:
         self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
@@ -98,6 +124,14 @@ class ParamGroup:
 
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
         self.state = state if reset else next_state(self.label, self.state, state)
+
+    def move_grads(self, state: GradState) -> None:
+        self.grad_state = transition(f"group {self.label}'s gradients", _GRAD_TRANSITIONS, self.grad_state, state)
+
+    def owe_post_backward(self) -> None:
+        """A forward under grad mode, or a backward, reached the group: its post-backward must run (once)."""
+        if self.grad_state is GradState.NONE:
+            self.move_grads(GradState.DUE)
 
     all_gather_comm = property(lambda self: self.options.all_gather_comm)  # the Comms its collectives use
     reduce_scatter_comm = property(lambda self: self.options.reduce_scatter_comm)
@@ -181,7 +215,7 @@ class ParamGroup:
         slice so backward can all-gather within those k ranks."""
         if self.state is GroupState.UNSHARDING:
             for work in self._all_gathers:
-                work.wait()  # the collective must complete before its buffers go
+                work.wait()  # Note [buffer lifetime]: the collective must complete before its buffers go
             self._hold_all_gathers()
             self._move_to(GroupState.UNSHARDED)
         keep = keep if keep and self.state is GroupState.UNSHARDED else {}
@@ -201,8 +235,8 @@ class ParamGroup:
 
     def _hold_all_gathers(self) -> None:
         """The all-gather buffers were last used on the current stream: keep them until the copy-in stream has waited
-        for that use (no-op without streams). Over one rank the buffers are the shards copied out, which the copy-in
-        stream made when they were offloaded."""
+        for that use (no-op without streams; Note [buffer lifetime]). Over one rank the buffers are the shards copied
+        out, which the copy-in stream made when they were offloaded."""
         self._streams().hold_all_gather(*(t for w in self._all_gathers for t in (w.input, w.output, *w.shards)))
         self._all_gathers = []
 
@@ -221,7 +255,7 @@ class ParamGroup:
             p.clear_unsharded_grad()
             p.sharded_param.grad = None  # part of the failed iteration's gradients
         self._move_to(GroupState.SHARDED, reset=True)
-        self.needs_post_backward = self.reduce_at_end = False
+        self.grad_state = GradState.NONE
 
     def refresh_after_apply(self) -> None:
         """Follow dtype changes made by ``Module._apply`` (``model.double()``)."""
@@ -244,8 +278,8 @@ class ParamGroup:
         """Reduce-scatter this group's gradients, or accumulate them while sync is off; returns the reduction in flight
         (``finish_reduce`` assigns its result). Parameters whose gradient is None (unused this iteration) take no part, as
         in torch's FSDP2 (which parameters are used must then be the same on every rank), unless
-        ``reduce_scatter_unused_params``."""
-        self.needs_post_backward = False
+        ``reduce_scatter_unused_params``: Note [same collectives everywhere]."""
+        self.move_grads(GradState.NONE)
         options = self.options
         grads: dict[ShardedParam, torch.Tensor] = {}  # the parameters to reduce, in order
         for p in self.params:
@@ -344,7 +378,7 @@ class PendingReduce:
     group: ParamGroup
     reductions: list[tuple[comm.ReduceScatterWork, list[ShardedParam]]]
     all_reduce: bool  # HSDP: whether to all-reduce across replicas when it lands (requires_all_reduce)
-    held: list[torch.Tensor]  # the unsharded gradients, read on the reduce-scatter stream
+    held: list[torch.Tensor]  # the unsharded gradients, read on the reduce-scatter stream: Note [buffer lifetime]
 
     def runs_hooks(self) -> bool:
         """Whether finishing it runs post-accumulate-grad hooks (an optimizer stepping in backward)."""
