@@ -1,4 +1,5 @@
-"""One group: the parameters of one fully_shard call, gathered and reduced together."""
+"""One group: the parameters of one fully_shard call, gathered and reduced together. A ``Note [name]`` points to the
+invariant of that name in docs/design.md's Invariants section."""
 
 from __future__ import annotations
 
@@ -69,11 +70,8 @@ class GradState(Enum):
 
 # reduce_grads may run owing nothing (a second call's inputs; gradients that arrived after its post-backward); AT_END
 # is left only when the agreement or the end of backward makes it DUE again
-_GRAD_TRANSITIONS = {
-    GradState.NONE: {GradState.DUE, GradState.AT_END, GradState.NONE},
-    GradState.DUE: {GradState.NONE, GradState.AT_END},
-    GradState.AT_END: {GradState.DUE},
-}
+_NONE, _DUE, _AT_END = GradState
+_GRAD_TRANSITIONS = {_NONE: {_DUE, _AT_END, _NONE}, _DUE: {_NONE, _AT_END}, _AT_END: {_DUE}}
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ reduction in flight, the end of backward). Each state runs its group through the
     post_forward  reshard if asked, hook the outputs so pre_backward runs on their grads
     pre_backward  unshard again if resharded, prefetch the group next in backward
     post_backward reduce-scatter the gradients, reshard
+
+A ``Note [name]`` points to the invariant of that name in docs/design.md's Invariants section.
 """
 
 from __future__ import annotations
@@ -65,12 +67,8 @@ _IDLE, _FORWARD, _PRE, _POST = TrainingState
 # ``FSDPState.move_to``'s table. Besides the phases in order: a registered forward method calling forward nests them
 # (IDLE -> IDLE, FORWARD -> FORWARD); a backward may reach a group whose pass is open (a chunked loss), or its inputs
 # without its outputs (-> POST_BACKWARD); a module called twice or recomputed after its post-backward leaves POST_BACKWARD
-_TRANSITIONS = {
-    _IDLE: {_IDLE, _FORWARD, _PRE, _POST},
-    _FORWARD: {_FORWARD, _IDLE, _PRE, _POST},
-    _PRE: {_POST},
-    _POST: {_PRE, _POST, _FORWARD},
-}
+_TRANSITIONS = {_IDLE: {_IDLE, _FORWARD, _PRE, _POST}, _FORWARD: {_FORWARD, _IDLE, _PRE, _POST}, _PRE: {_POST},
+                _POST: {_PRE, _POST, _FORWARD}}
 
 
 class Callback(Enum):
@@ -468,7 +466,7 @@ class FSDPState:
         nowhere that hold gradients accumulated with sync off); every rank reduces them at the end.
 
         Note [same collectives everywhere]: whether a group reduces, and when, must be decided alike on every rank, so
-        the decision reads only the all-reduced table (docs/design.md, Invariants)."""
+        the decision reads only the all-reduced table."""
         seen = torch.tensor([[c is case for c in Seen if c is not Seen.HELD] + [any(p.accumulated_grad is not None for p in g.params)]
                              for _, g, case in pairs], dtype=torch.float, device=self.device)  # a row per group, columns Seen
         infos = {id(i): i for _, g, _ in pairs for i in (g.mesh_info, *(p.mesh_info for p in g.params))}  # shard_placement_fn's too
