@@ -561,8 +561,8 @@ class FSDPModule:
         def change(group: ParamGroup) -> GroupOptions:
             if stream is not None and group.mesh_info.replicate is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (a 2-D mesh)")
-            kept = group.options.all_reduce_hook_stream  # when no stream is given, as in torch
-            return replace(group.options, all_reduce_hook=hook, all_reduce_hook_stream=kept if stream is None else stream)
+            kept = group.options.all_reduce_hook_stream if stream is None else stream  # as in torch
+            return replace(group.options, all_reduce_hook=hook, all_reduce_hook_stream=kept)
 
         self._update(False, change)
 
@@ -604,8 +604,8 @@ class FSDPModule:
         def change(group: ParamGroup) -> GroupOptions:
             infos = {id(p.mesh_info): p.mesh_info for p in group.params}  # one per mesh of the call
             old = group.options.reduce_scatter_groups
-            return replace(group.options, reduce_scatter_groups={k: separate_group(i, made, old.get(k)) for k, i in infos.items()}
-                           if enable else {})
+            groups = {k: separate_group(i, made, old.get(k)) for k, i in infos.items()} if enable else {}
+            return replace(group.options, reduce_scatter_groups=groups)
 
         self._update(recurse, change)
 
@@ -621,7 +621,8 @@ class FSDPModule:
             _check_own_comms(self, "set_allocate_memory_from_process_group_for_comm", group, False)
             rs_group = group.options.reduce_scatter_groups.get(id(group.mesh_info), group.mesh_info.shard.group)
             all_gather = PoolComm(group.mesh_info.shard.group) if enable else None
-            return replace(group.options, all_gather_comm=all_gather, reduce_scatter_comm=PoolComm(rs_group) if enable else None)
+            reduce_scatter = PoolComm(rs_group) if enable else None
+            return replace(group.options, all_gather_comm=all_gather, reduce_scatter_comm=reduce_scatter)
 
         self._update(False, change)
 
@@ -643,10 +644,10 @@ class FSDPModule:
                                           f"changes where buffers live, not the results: call it only when running on {backend}.")
             _check_own_comms(self, "set_symm_mem_for_comm", group, True)
             _check_symm_buffers(self, o.max_input_buffers, o.force_sum_reduction)
-            all_gather = PoolComm(pg, backend)
-            # symmetric reduce-scatters only sum (NCCL 2.29), as in torch
-            rs = PoolComm(o.reduce_scatter_groups.get(id(group.mesh_info), pg), backend) if o.force_sum_reduction else o.reduce_scatter_comm
-            return replace(o, all_gather_comm=all_gather, reduce_scatter_comm=rs)
+            all_gather, reduce_scatter = PoolComm(pg, backend), o.reduce_scatter_comm
+            if o.force_sum_reduction:  # symmetric reduce-scatters only sum (NCCL 2.29), as in torch
+                reduce_scatter = PoolComm(o.reduce_scatter_groups.get(id(group.mesh_info), pg), backend)
+            return replace(o, all_gather_comm=all_gather, reduce_scatter_comm=reduce_scatter)
 
         self._update(False, change)
 

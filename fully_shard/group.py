@@ -21,7 +21,7 @@ E = TypeVar("E", bound=Enum)
 
 
 def transition(who: str, table: Mapping[E, Collection[E]], current: E, new: E) -> E:
-    """``new`` if ``table`` lets ``who`` go there from ``current``, else an internal error: every state machine's move."""
+    """``new`` if ``table`` lets ``who`` go there from ``current``, else an internal error. Every state machine's."""
     if new not in table[current]:
         raise AssertionError(f"fully_shard internal error: {who} cannot go from {current.name} to {new.name}")
     return new
@@ -314,7 +314,8 @@ class ParamGroup:
     def _alias_grads(self, grads: dict[ShardedParam, torch.Tensor]) -> bool:
         """Whether reducing these gradients is the identity (one rank, no replicas, no divide factor, hook or cast):
         each sharded gradient is then its unsharded one, no copy."""
-        if (o := self.options).gradient_divide_factor is not None or o.all_reduce_hook is not None or o.force_sum_reduction:
+        o = self.options
+        if o.gradient_divide_factor is not None or o.all_reduce_hook is not None or o.force_sum_reduction:
             return False
         return all(p.mesh_info.shard.size == 1 and p.mesh_info.replicate is None and p.reduce_dtype == p.dtype == g.dtype
                    and g.device == p.shard_device and g.is_contiguous() for p, g in grads.items())

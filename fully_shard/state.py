@@ -66,7 +66,8 @@ class TrainingState(Enum):
 _IDLE, _FORWARD, _PRE, _POST = TrainingState
 # ``FSDPState.move_to``'s table. Besides the phases in order: a registered forward method calling forward nests them
 # (IDLE -> IDLE, FORWARD -> FORWARD); a backward may reach a group whose pass is open (a chunked loss), or its inputs
-# without its outputs (-> POST_BACKWARD); a module called twice or recomputed after its post-backward leaves POST_BACKWARD
+# without its outputs (-> POST_BACKWARD); a module called twice, or recomputed after its post-backward, leaves
+# POST_BACKWARD for PRE_BACKWARD, POST_BACKWARD or FORWARD
 _TRANSITIONS = {_IDLE: {_IDLE, _FORWARD, _PRE, _POST}, _FORWARD: {_FORWARD, _IDLE, _PRE, _POST}, _PRE: {_POST},
                 _POST: {_PRE, _POST, _FORWARD}}
 
@@ -115,7 +116,8 @@ class RootContext:
             pending.group.finish_reduce(pending)
 
     def resolve_max_in_flight(self) -> None:
-        self.max_in_flight = max((s.group.options.max_input_buffers for s in self.states if s.group is not None), default=1)
+        groups = [s.group for s in self.states if s.group is not None]
+        self.max_in_flight = max((g.options.max_input_buffers for g in groups), default=1)
 
     def queue_finalize(self) -> None:
         """Once per backward: have autograd call ``finalize_backward`` when it is done."""
@@ -467,8 +469,9 @@ class FSDPState:
 
         Note [same collectives everywhere]: whether a group reduces, and when, must be decided alike on every rank, so
         the decision reads only the all-reduced table."""
-        seen = torch.tensor([[c is case for c in Seen if c is not Seen.HELD] + [any(p.accumulated_grad is not None for p in g.params)]
-                             for _, g, case in pairs], dtype=torch.float, device=self.device)  # a row per group, columns Seen
+        holds = [any(p.accumulated_grad is not None for p in g.params) for _, g, _ in pairs]
+        rows = [[c is case or (c is Seen.HELD and h) for c in Seen] for (_, _, case), h in zip(pairs, holds)]
+        seen = torch.tensor(rows, dtype=torch.float, device=self.device)  # a row per group, columns Seen
         infos = {id(i): i for _, g, _ in pairs for i in (g.mesh_info, *(p.mesh_info for p in g.params))}  # shard_placement_fn's too
         for ranks in (r for i in infos.values() for r in (i.shard, i.replicate) if r is not None and r.size > 1):
             all_reduce(seen, ranks.group, torch.distributed.ReduceOp.MAX, "exchange of the modules skipped per rank")
@@ -537,8 +540,8 @@ class FSDPState:
             if group is not None:
                 if group.options.reshard_after_backward:
                     group.reshard()  # first: the full parameters are freed before the reduce-scatter buffers exist
-                # Note [same collectives everywhere]: reduce-scatters go out in autograd's order, the same on every rank;
-                # a group skipped on some rank waits for the end of backward, which reduces it everywhere in module order
+                # Note [same collectives everywhere]: reduce-scatters go out in autograd's order, the same everywhere;
+                # a group skipped on some rank waits for the end of backward, which reduces it on every rank in order
                 with torch.no_grad():
                     pending = None if group.grad_state is GradState.AT_END else group.reduce_grads()
                 if pending is not None:
