@@ -30,10 +30,10 @@ def transition(who: str, table: Mapping[E, Collection[E]], current: E, new: E) -
 class GroupState(Enum):
     """Where a group's parameters are, and what memory they hold."""
 
-    SHARDED = auto()  # modules hold the sharded DTensor parameters; no unsharded storage
-    POST_FORWARD = auto()  # as SHARDED, plus each rank's 1/k slice for a k-rank backward all-gather
-    UNSHARDING = auto()  # all-gather issued, not yet waited: its flat output is in flight
-    UNSHARDED = auto()  # modules hold the full parameters; unsharded storage allocated
+    SHARDED = auto()  # at first and by reshard(): modules hold the sharded DTensor parameters; no unsharded storage
+    POST_FORWARD = auto()  # by reshard(keep=...) (reshard_after_forward=k): as SHARDED, plus this rank's 1/k slice
+    UNSHARDING = auto()  # by unshard(): the all-gather is issued, not yet waited; its flat buffers are in flight
+    UNSHARDED = auto()  # by wait_for_unshard(): modules hold the full parameters; unsharded storage allocated
 
 
 # the transitions a group may make (reset() may go to SHARDED from anywhere)
