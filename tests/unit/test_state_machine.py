@@ -1,4 +1,4 @@
-"""The core's state machines and its typed options, in process (one test spawns a 1-rank job).
+"""The core's state machines and its typed options, in process (the setters on a fake process group).
 
 Every state machine moves through ``group.transition`` against its table: ``GroupState`` (where a group's parameters
 are), ``GradState`` (what a group owes the backward), ``TrainingState`` (a state's phase) and ``Callback`` (the root's
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import run_distributed
+from tests.unit.fake_pg import fake_world
 
 # each table, written out: "FROM -> TO" for every allowed move, all others refused
 _ALLOWED = {
@@ -178,17 +178,16 @@ _SETTERS: list[tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any], bool]
 ]
 
 
-def _changed_fields() -> list[dict[str, list[str]]]:
+@pytest.mark.parametrize("method, args, kwargs, fields, recursive", _SETTERS)
+def test_each_setter_changes_exactly_its_fields(method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                                                fields: dict[str, Any], recursive: bool) -> None:
     import warnings
 
     import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
 
     from fully_shard import fully_shard
 
-    mesh = init_device_mesh("cpu", (1,))
-    results = []
-    for method, args, kwargs, fields, _ in _SETTERS:
+    with fake_world((2,)) as mesh:
         model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
         fully_shard(model[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -197,18 +196,9 @@ def _changed_fields() -> list[dict[str, list[str]]]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # set_reduce_scatter_divide_factor's deprecation
             getattr(model, method)(*args, **kwargs)
-        changed = {}
-        for k, g in groups.items():
-            new = g.options
-            changed[k] = sorted(f.name for f in dataclasses.fields(new) if getattr(new, f.name) != getattr(before[k], f.name))
-            for name, value in fields.items():
-                if k == "root" and value is not None:
-                    assert getattr(new, name) == value, (method, name, getattr(new, name))
-        results.append(changed)
-    return results
-
-
-def test_each_setter_changes_exactly_its_fields() -> None:
-    results = run_distributed(_changed_fields, 1)[0]
-    for (method, _, kwargs, fields, recursive), changed in zip(_SETTERS, results):
-        assert changed == {"root": sorted(fields), "inner": sorted(fields) if recursive else []}, (method, kwargs, changed)
+        changed = {k: sorted(f.name for f in dataclasses.fields(g.options)
+                             if getattr(g.options, f.name) != getattr(before[k], f.name)) for k, g in groups.items()}
+        assert changed == {"root": sorted(fields), "inner": sorted(fields) if recursive else []}, changed
+        for name, value in fields.items():
+            if value is not None:
+                assert getattr(groups["root"].options, name) == value, (name, getattr(groups["root"].options, name))
