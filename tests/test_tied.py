@@ -1,0 +1,206 @@
+"""Parameters tied across fully_shard calls (Note [tied parameters], docs/design.md): each call that reaches the one
+sharded parameter gathers it for its own modules; the gradients of its uses are summed and reduced once, by the last
+of those groups to reach its post-backward. torch's FSDP2 (2.13) refuses all three layouts below.
+
+Layouts (``tests.models.Transformer``, 3 blocks):
+
+* ``torchtitan``: ``output.weight`` tied to ``tok_embeddings.weight``; ``tok_embeddings`` alone, each block,
+  ``[norm, output]`` (reshard_after_forward=False), the root: torchtitan's wrapping before pytorch/torchtitan#2522.
+* ``accelerate``: the same tie; each block, ``[norm, tok_embeddings]`` (reshard_after_forward=False), the root,
+  which reaches ``output``: accelerate's ``fsdp2_prepare_model`` before huggingface/accelerate#4171.
+* ``blocks``: ``layers.2.attention.wq.weight`` tied to ``layers.0``'s; each block, the root.
+
+Configurations: ``reshard_after_forward`` as the layout has it (None), True and False on every call but the root,
+activation checkpointing of every block; on 4 ranks ``reshard_after_forward=2``; bf16 parameters with fp32
+reductions.
+
+Oracles:
+
+* fp32: the unsharded tied model, gradients averaged, stepped shard-wise (``tests.oracle``): bitwise at world size 2
+  (one gradient per use, summed in the order autograd sums them, then one average of two floats); at 4 ranks
+  ``tests.oracle.REF_TOL``.
+* bf16: torch's FSDP2 with the tie in one call (the layout torch accepts: torchtitan's and accelerate's fix), bitwise
+  at world size 2: the same bf16 gathers, the same bf16 sum of the two uses' gradients (autograd's on torch's one
+  unsharded parameter, ours before the one reduction), the same fp32 reductions. The unsharded model computes in fp32,
+  so it is no bitwise oracle there.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from fully_shard import MixedPrecisionPolicy, fully_shard
+from tests.harness import mesh, run_distributed
+from tests.models import ModelArgs, Transformer, batch, loss_fn
+from tests.oracle import ShardwiseOptimizer, average_gradients, close, ref_tol
+
+LAYOUTS = ("torchtitan", "accelerate", "blocks")
+STEPS = 2
+
+
+class TiedTransformer(Transformer):
+    """``Transformer`` with a tie across calls (see the module docstring) and, optionally, every block checkpointed."""
+
+    def __init__(self, layout: str, ac: bool = False) -> None:
+        super().__init__(ModelArgs())
+        self.ac = ac
+        if layout == "blocks":
+            self.layers[2].attention.wq.weight = self.layers[0].attention.wq.weight
+        else:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) + self.pos[: tokens.shape[1]]  # (B, T, C)
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=False) if self.ac else layer(h)
+        return self.output(self.norm(h)) * self.logit_scale  # (B, T, V)
+
+
+def _shard(model: TiedTransformer, layout: str, fs: Any = fully_shard, reshard: Any = None, mp: Any = None,
+           grouped: bool = False) -> None:
+    """``layout``'s calls (``grouped``: the tie in one call instead, as torch needs), ``reshard`` on all but the root."""
+    kw: dict[str, Any] = {"mesh": mesh(dist.get_world_size())}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    inner = dict(kw, reshard_after_forward=reshard)
+    tail = dict(kw, reshard_after_forward=False if reshard is None else reshard)
+    if layout == "torchtitan" and not grouped:
+        fs(model.tok_embeddings, **inner)
+    if layout == "blocks" and grouped:
+        fs([model.layers[0], model.layers[2]], **inner)
+    for i, block in enumerate(model.layers):
+        if not (layout == "blocks" and grouped and i != 1):
+            fs(block, **inner)
+    if layout == "torchtitan":
+        fs([model.tok_embeddings, model.norm, model.output] if grouped else [model.norm, model.output], **tail)
+    if layout == "accelerate":
+        fs([model.norm, model.tok_embeddings, model.output] if grouped else [model.norm, model.tok_embeddings], **tail)
+    fs(model, **kw)
+
+
+def _differs(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> list[str]:
+    try:
+        close(actual.float(), expected.float(), tol, what)
+    except AssertionError as e:
+        return [str(e).splitlines()[0]]
+    return []
+
+
+def _train(models: dict[str, nn.Module], opts: dict[str, Any], steps: int) -> list[str]:
+    """``steps`` steps of every model on this rank's batches; the mismatches against the first model (the unsharded
+    ``"ref"``: within ``ref_tol``; else bitwise)."""
+    bad = []
+    first, *others = models
+    tol = (lambda what: ref_tol(what)) if first == "ref" else (lambda what: 0.0)
+    for step in range(steps):
+        x = batch(step, dist.get_rank())
+        losses = {}
+        for name, model in models.items():
+            loss = loss_fn(model(x), x)
+            loss.backward()
+            if name == "ref":
+                average_gradients(model)
+            opts[name].step()
+            opts[name].zero_grad()
+            losses[name] = loss.detach()
+        for name in others:
+            bad += _differs(losses[name], losses[first], tol("loss"), f"step {step}: loss of {name} vs {first}")
+    expected = dict(models[first].named_parameters())
+    for name in others:
+        for n, p in models[name].named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            e = expected[n].full_tensor() if isinstance(expected[n], DTensor) else expected[n]
+            bad += _differs(full, e, tol("param"), f"{name}: parameter {n} vs {first}")
+    return bad
+
+
+def _check_tie(model: nn.Module, layout: str, what: str) -> list[str]:
+    """Between steps the tie holds: both registrations are the one sharded DTensor, listed once."""
+    a, b = (model.layers[0].attention.wq, model.layers[2].attention.wq) if layout == "blocks" else (model.tok_embeddings, model.output)
+    ok = a.weight is b.weight and isinstance(a.weight, DTensor)
+    return [] if ok else [f"{what}: the tie did not hold ({type(a.weight).__name__}, {type(b.weight).__name__})"]
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _layout_fp32(layout: str, configs: list[tuple[Any, bool]]) -> list[str]:
+    """Each ``(reshard_after_forward, activation checkpointing)`` against the unsharded tied model."""
+    bad = []
+    for reshard, ac in configs:
+        what = f"{layout}, reshard_after_forward={reshard!r}, ac={ac}"
+        torch.manual_seed(0)
+        ref = TiedTransformer(layout, ac)
+        ours = copy.deepcopy(ref)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the held-twice warning (its own test)
+            _shard(ours, layout, reshard=reshard)
+        assert len(list(ours.parameters())) == len(list(ref.parameters())), what
+        opts = {"ref": ShardwiseOptimizer(ref.parameters(), dist.get_world_size(), _adamw), "ours": _adamw(ours.parameters())}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bad += [f"{what}: {m}" for m in _train({"ref": ref, "ours": ours}, opts, STEPS)]
+        bad += _check_tie(ours, layout, what)
+    return bad
+
+
+def _layout_bf16(layout: str) -> list[str]:
+    """bf16 parameters, fp32 reductions, against torch's FSDP2 with the tie in one call."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    ours = TiedTransformer(layout)
+    theirs = copy.deepcopy(ours)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _shard(ours, layout, mp=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    _shard(theirs, layout, torch_fully_shard, mp=TorchMP(torch.bfloat16, torch.float32), grouped=True)
+    opts = {"torch": _adamw(theirs.parameters()), "ours": _adamw(ours.parameters())}
+    return [f"{layout}, bf16: {m}" for m in _train({"torch": theirs, "ours": ours}, opts, STEPS)] + _check_tie(ours, layout, "bf16")
+
+
+def _torch_refuses(layout: str) -> str:
+    """torch's FSDP2 on the same calls: its error."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    model = TiedTransformer(layout)
+    try:
+        _shard(model, layout, torch_fully_shard)
+        x = batch(0, dist.get_rank())
+        model(x)
+    except ValueError as e:
+        return str(e)
+    return "torch's FSDP2 raised nothing"
+
+
+def _layout_case(layout: str) -> list[str]:
+    bad = _layout_fp32(layout, [(None, False), (True, False), (False, False), (None, True)])
+    bad += _layout_bf16(layout)
+    refusal = _torch_refuses(layout)
+    if "already managed by another FSDP group" not in refusal:
+        bad.append(f"{layout}: torch's FSDP2 no longer refuses the layout: {refusal}")
+    return bad
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tied_layout_trains_like_the_unsharded_model(layout: str) -> None:
+    assert run_distributed(_layout_case, 2, layout) == [[], []]
+
+
+def _reshard_int_case() -> list[str]:
+    return [m for layout in LAYOUTS for m in _layout_fp32(layout, [(2, False)])]
+
+
+def test_tied_layouts_with_reshard_after_forward_int() -> None:
+    assert run_distributed(_reshard_int_case, 4) == [[]] * 4
