@@ -273,8 +273,10 @@ class FSDPState:
         if self.ctx is not None:
             return self.ctx
         names: dict[FSDPState, str] = {}  # every state below, in module pre-order, root first
+        paths: dict[int, str] = {}  # id(module) -> its name: the parameters' (a group's modules may be anywhere)
         for root_module in self.modules:
             for name, sub in root_module.named_modules():
+                paths.setdefault(id(sub), name)
                 state = getattr(sub, STATE_ATTR, None)
                 if state is None or state in names:
                     continue
@@ -294,7 +296,8 @@ class FSDPState:
                 state.group.streams = ctx.streams
                 state.group.label = prefix or f"{type(self.modules[0]).__name__.removeprefix('FSDP')} (root)"
                 for p in state.group.params:
-                    p.fqn = f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn
+                    where = paths.get(id(p.uses[0][0]))
+                    p.fqn = p.local_fqn if where is None else f"{where}.{p.uses[0][1]}".lstrip(".")
         # a parameter another group manages is not a replacement to pick up but a tie made
         # after sharding, refused by _check_registered_params
         params = [p for state in names if state.group is not None for p in state.group.params]

@@ -76,10 +76,13 @@ def warn_held_twice(root: FSDPState, states: list[FSDPState]) -> None:
         modules = list({id(m): m for m in inner + outer}.values())
         grouping = ", ".join(paths.get(id(m)) or type(m).__name__ for m in modules)
         nbytes = p.size.numel() * p.unsharded_dtype.itemsize
-        calls = "; ".join(s._name() for s, _ in holding)
-        warnings.warn(f"fully_shard: parameter {p.fqn!r} is tied across {len(p.tie.params)} fully_shard calls, and {len(holding)} of "
-                      f"their groups keep it gathered between forward and backward ({calls}: reshard_after_forward=False, the "
-                      f"root's default): {len(holding)} full copies of {nbytes:,} bytes at the peak of "
+        calls = " and ".join("the root's" if s.is_root else "the call on [" + ", ".join(paths.get(id(m), "?") for m in s.modules) + "]"
+                             for s, _ in holding)
+        first, *others = (q.fqn for q in p.tie.params)
+        warnings.warn(f"fully_shard: parameter {first!r} is tied across {len(p.tie.params)} fully_shard calls (as "
+                      f"{', '.join(repr(n) for n in others)}), and {len(holding)} of "
+                      f"their groups keep it gathered between forward and backward ({calls}, with reshard_after_forward=False, "
+                      f"the root's default): {len(holding)} full copies of {nbytes:,} bytes at the peak of "
                       "activation memory, where one would do. One fully_shard call over the modules that use it holds one: "
                       f"fully_shard([{grouping}]) (by their names under the root), before the root's call. See docs/design.md, "
                       "tied parameters.", stacklevel=2)
