@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from unittest import mock
 
 import pytest
@@ -69,4 +71,7 @@ def test_k_rank_groups_are_made_once_per_world_and_ranks(rank: int) -> None:
             assert [c.args[0] for c in made.call_args_list] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # every copy's, once
             resolve_reshard_after_forward(4, a, [("w", a)])  # k = the shard size: as True, no group
             assert made.call_count == 4
-        assert len(mesh_module._k_rank_groups) == 0
+            world = weakref.ref(dist.distributed_c10d._get_default_group())
+            assert world() in mesh_module._k_rank_groups
+        gc.collect()  # other tests' worlds may still be alive in this process: look at this one's alone
+        assert world() is None  # the world is gone, and its groups with it (a weak key)
