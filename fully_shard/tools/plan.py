@@ -448,6 +448,10 @@ def plan(
             reshard_after_forward=n.reshard, all_gathers=len(gathers),
         ))
 
+    if ks := [n.reshard for n in nodes if n.params and type(n.reshard) is int]:
+        notes.append(f"reshard_after_forward={ks[0]}: one set of {ks[0]}-rank process groups ({replicate * shard // ks[0]} in "
+                     f"all, this rank in 1), shared by the {len(ks)} calls on this mesh (torch's FSDP2 makes a set per call)")
+
     return Plan(
         model=label, mesh_shape=shape, rank=rank, shard_size=shard, replicate_size=replicate,
         param_dtype=_dtype_name(mp_policy.param_dtype), reduce_dtype=_dtype_name(mp_policy.reduce_dtype),

@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+from unittest import mock
+
 import pytest
+import torch.distributed as dist
 
 from fully_shard import DataParallelMeshDims
+from fully_shard import mesh as mesh_module
 from fully_shard.mesh import mesh_info_for, reshard_setting, resolve_reshard_after_forward
 from tests.unit.fake_pg import fake_world
 
@@ -50,3 +56,22 @@ def test_reshard_after_forward_k_keeps_k_consecutive_ranks() -> None:
         reshard, keep = resolve_reshard_after_forward(2, info, [("w", info)])
         assert reshard is True and (keep[id(info)].size, keep[id(info)].rank) == (2, 1)  # ranks 4 and 5
         assert resolve_reshard_after_forward(8, info, [("w", info)]) == (True, {})  # the whole group: as True
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_k_rank_groups_are_made_once_per_world_and_ranks(rank: int) -> None:
+    """Two equal meshes (distinct objects) with the same k share one set of groups; ranks 0 and 5 hold different
+    copies of the sub-mesh yet create the same groups in the same order (new_group is collective); a new world makes
+    its own, and the old world's groups go with it."""
+    for _ in range(2):
+        with fake_world((2, 4), rank, ("rep", "shard")) as mesh, mock.patch.object(dist, "new_group", wraps=dist.new_group) as made:
+            a, b = mesh_info_for(mesh["shard"]), mesh_info_for(mesh["shard"])
+            keep = [resolve_reshard_after_forward(2, info, [("w", info)])[1][id(info)] for info in (a, b)]
+            assert keep[0] is keep[1] and (keep[0].size, keep[0].rank) == (2, rank % 2)
+            assert [c.args[0] for c in made.call_args_list] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # every copy's, once
+            resolve_reshard_after_forward(4, a, [("w", a)])  # k = the shard size: as True, no group
+            assert made.call_count == 4
+            world = weakref.ref(dist.distributed_c10d._get_default_group())
+            assert world() in mesh_module._k_rank_groups
+        gc.collect()  # other tests' worlds may still be alive in this process: look at this one's alone
+        assert world() is None  # the world is gone, and its groups with it (a weak key)
