@@ -247,3 +247,72 @@ def test_tied_parameter_held_twice_warns_once_naming_the_grouping() -> None:
     assert found["torchtitan"] == [] and found["blocks"] == [], found
     assert len(found["torchtitan, never reshard"]) == 1, found
     assert "fully_shard([tok_embeddings, norm, output])" in found["torchtitan, never reshard"][0], found
+
+
+def _tied_pair(model: nn.Module, layout: str) -> tuple[str, str]:
+    return (("layers.0.attention.wq.weight", "layers.2.attention.wq.weight") if layout in ("blocks", "shared_module")
+            else ("tok_embeddings.weight", "output.weight"))
+
+
+def _checkpoint_layout(layout: str, root: str) -> list[str]:
+    """Meta init (``to_empty``), 2 steps, the state dicts, a DCP checkpoint through ``fully_shard.ckpt`` loaded into
+    a fresh model, and its consolidation, for ``layout``."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import distribute_tensor
+
+    from fully_shard.ckpt import load_consolidated, save_checkpoint
+
+    torch.manual_seed(0)
+    ref = TiedTransformer(layout)
+    with torch.device("meta"):
+        ours = TiedTransformer(layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _shard(ours, layout)
+    ours.to_empty(device="cpu")
+    bad = _check_tie(ours, layout, f"{layout}, after to_empty")
+    with torch.no_grad():  # the reference's values, each rank its part
+        full = ref.state_dict()
+        for name, p in ours.named_parameters():
+            p.to_local().copy_(distribute_tensor(full[name], p.device_mesh, p.placements).to_local())
+        buffers = dict(ref.named_buffers())  # (non-persistent ones too)
+        for name, b in ours.named_buffers():
+            b.copy_(buffers[name])
+    opts = {"ref": ShardwiseOptimizer(ref.parameters(), dist.get_world_size(), _adamw), "ours": _adamw(ours.parameters())}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bad += [f"{layout}, meta init: {m}" for m in _train({"ref": ref, "ours": ours}, opts, STEPS)]
+    a, b = _tied_pair(ours, layout)
+    # torch's convention (nn.Module.state_dict of the tied model): both names, one tensor (state_dict() detaches
+    # each entry: one storage)
+    for what, sd in (("state_dict()", ours.state_dict()), ("get_model_state_dict", get_model_state_dict(ours))):
+        one = isinstance(sd[a], DTensor) and sd[a].to_local().data_ptr() == sd[b].to_local().data_ptr()
+        if list(sd) != list(ref.state_dict()) or not one:
+            bad.append(f"{layout}, {what}: keys {list(sd)[:3]}..., {a} and {b} one tensor: {one}")
+    path = save_checkpoint({"model": ours.state_dict()}, root, 1)
+    # a fresh model (other values) loads the checkpoint in place: the tie holds, every parameter is the saved one
+    torch.manual_seed(1)
+    fresh = TiedTransformer(layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _shard(fresh, layout)
+    load({"model": fresh.state_dict()}, checkpoint_id=path)
+    bad += _check_tie(fresh, layout, f"{layout}, after the DCP load")
+    for (n, p), q in zip(ours.named_parameters(), fresh.parameters()):
+        if not torch.equal(p.full_tensor(), q.full_tensor()):
+            bad.append(f"{layout}: {n} differs after the DCP load")
+    consolidated = load_consolidated(path)
+    if list(consolidated) != list(ref.state_dict()) or not torch.equal(consolidated[a], consolidated[b]) \
+            or not torch.equal(consolidated[a], ours.get_parameter(a).full_tensor()):
+        bad.append(f"{layout}: the consolidated checkpoint lost the tie: {sorted(consolidated)[:4]}...")
+    return bad
+
+
+def _checkpoint_case(root: str) -> list[str]:
+    root = f"{root}/{{}}"
+    return [m for layout in LAYOUTS for m in _checkpoint_layout(layout, root.format(layout))]
+
+
+def test_tie_kept_through_meta_init_state_dicts_dcp_and_ckpt(tmp_path: Any) -> None:
+    assert run_distributed(_checkpoint_case, 2, str(tmp_path)) == [[], []]
