@@ -216,11 +216,12 @@ def test_torchtitan_tie_across_its_calls_trains_where_torch_refuses() -> None:
         a, b = ours[rank], theirs[rank]
         assert a["sharded_by"] == {"fully_shard.api"}, a["sharded_by"]
         assert "lm_head.weight" not in a["params"] and a["params"].keys() == b["params"].keys()
-        # not bitwise: the wrapper runs the head's group through 8 backward passes before the decoder's, so the
-        # tied gradient's parts are reduced in separate passes (ours: the head's group at its last chunk, the
-        # embedding's group in the decoder's pass), against torch's one group, and the sums round differently (where is
-        # not pinned down). Measured after 3 steps: losses and the first two grad norms equal, the third within 1e-7
-        # (relative), parameters within 4e-7
+        # not bitwise: the wrapper runs the head's backward (8 chunks) in passes of its own before the decoder's.
+        # Ours sums the tied gradient's parts and reduces them once, in the embedding's group (the head's group, at
+        # its last chunk, finds the embedding's group still owing its post-backward and keeps its part); torch's one
+        # group reduces the head's part at the last chunk and the embedding's in the decoder's pass, adding the
+        # sharded gradients: other roundings. Measured after 3 steps: losses and the first two grad norms equal, the
+        # third within 1e-7 (relative), parameters within 4e-7
         torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-6, atol=0)
         torch.testing.assert_close(a["grad_norm"], b["grad_norm"], rtol=1e-6, atol=0)
         for name in a["params"]:
