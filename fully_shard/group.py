@@ -327,10 +327,11 @@ class ParamGroup:
     def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[ShardedParam, torch.Tensor]) -> comm.ReduceScatterWork:
         info, o = bucket[0].mesh_info, self.options
         ranks = dataclasses.replace(info.shard, group=o.reduce_scatter_groups.get(id(info), info.shard.group))
+        tied = "".join(f" (with tied {p.fqn!r}, its uses' gradients summed)" for p in bucket if len(p.tie.params) > 1)  # debug mode
         return comm.reduce_scatter(
             [p.layout.grad_for_reduce(grads[p]) for p in bucket], ranks, bucket[0].reduce_dtype,
             dp_size=ranks.size * (info.replicate.size if info.replicate else 1), divide_factor=o.gradient_divide_factor,
-            force_sum=o.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients{_tied(bucket)}", label=self.label,
+            force_sum=o.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients{tied}", label=self.label,
             custom=o.reduce_scatter_comm,
         )
 
@@ -364,12 +365,6 @@ class ParamGroup:
         if to_host:
             streams.host_waits(done)
         pending.held = []
-
-
-def _tied(params: list[ShardedParam]) -> str:
-    """The parameters tied across calls whose summed gradient a reduction carries, for messages and the debug mode."""
-    tied = [repr(p.fqn) for p in params if len(p.tie.params) > 1]
-    return f" (with tied {', '.join(tied)}, its uses' gradients summed)" if tied else ""
 
 
 def _buckets(params: list[ShardedParam], key: Callable[[ShardedParam], torch.dtype]) -> list[list[ShardedParam]]:

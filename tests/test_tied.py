@@ -316,3 +316,63 @@ def _checkpoint_case(root: str) -> list[str]:
 
 def test_tie_kept_through_meta_init_state_dicts_dcp_and_ckpt(tmp_path: Any) -> None:
     assert run_distributed(_checkpoint_case, 2, str(tmp_path)) == [[], []]
+
+
+def test_planner_plans_a_tie_across_calls_once_and_notes_it() -> None:
+    from fully_shard.tools.plan import plan
+    from tests.models import Block
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs())
+        untied = plan(model, 2, wrap=lambda m: isinstance(m, Block) or m is model.tok_embeddings)
+        model.output.weight = model.tok_embeddings.weight
+    tied = plan(model, 2, wrap=lambda m: isinstance(m, Block) or m is model.tok_embeddings)
+    # torchtitan's layout: the embedding's group shards it, the root's gathers it too (what fully_shard does)
+    weight = model.output.weight.numel()
+    assert tied.num_params == untied.num_params - weight
+    root, untied_root = tied.groups[0], untied.groups[0]
+    assert root.name == "(root)" and root.all_gather_output_bytes == untied_root.all_gather_output_bytes
+    embedding = tied.groups[1]  # the tok_embeddings group: the weight alone, as laid out in the root's
+    assert embedding.name == "tok_embeddings" and embedding.tensors == 1
+    assert root.sharded_bytes == untied_root.sharded_bytes - embedding.sharded_bytes  # its state: once
+    assert root.optimizer_bytes == untied_root.optimizer_bytes - embedding.optimizer_bytes
+    assert root.reduce_scatter_input_bytes == untied_root.reduce_scatter_input_bytes - embedding.reduce_scatter_input_bytes
+    assert [n for n in tied.notes if "tied" in n] == [
+        "parameter 'output.weight' is tied to 'tok_embeddings.weight' (the group of tok_embeddings): the group of (root) "
+        "gathers it too, one more all-gather of 26,800 bytes (unsharded) per forward, and one reduce-scatter sums both "
+        "groups' gradients, held until the later post-backward; one fully_shard call over the modules that use it "
+        "gathers it once (docs/design.md, tied parameters across calls)"]
+
+
+def _tied_divergence() -> str:
+    """torchtitan's layout; rank 1 runs the embedding without grad, so its ``[norm, output]`` group, owing the tie's
+    last post-backward there, reduces the tied gradient where rank 0's waits for the embedding's group."""
+    from fully_shard.tools import CollectiveMismatchError, debug_collectives
+
+    model = TiedTransformer("torchtitan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _shard(model, "torchtitan")
+    x = batch(0, dist.get_rank())
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(dist.get_rank() == 0):
+            h = model.tok_embeddings(tokens)
+        h = h + model.pos[: tokens.shape[1]]
+        for layer in model.layers:
+            h = layer(h)
+        return model.output(model.norm(h))
+
+    model.forward = forward  # the root's hooks still run around it
+    try:
+        with debug_collectives():
+            loss_fn(model(x), x).backward()
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_debug_mode_names_the_tie_when_its_reduction_diverges() -> None:
+    for message in run_distributed(_tied_divergence, 2, timeout=60):
+        assert "differs across ranks" in message and "(with tied 'output.weight'" in message, message
+        assert "reduced once per backward, by the last of the groups gathering it" in message, message

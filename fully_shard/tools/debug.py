@@ -43,7 +43,7 @@ class _SameEverywhere:
 
 
 # Note [tied parameters]: a reduce-scatter's description names the tied parameters whose summed gradient it carries
-# (group._tied: "(with tied 'name', ...)")
+# (ParamGroup._reduce_scatter: "(with tied 'name', ...)")
 _TIED_HINT = (
     " A parameter tied across fully_shard calls is reduced once per backward, by the last of the groups gathering it "
     "to reach its post-backward (the others keep their gradient for it): so every rank must also run forward and "

@@ -36,6 +36,7 @@ from ..streams import accelerator_type, has_streams
 from .activations import estimate_activations
 from .models import load_model
 from .replay import Call, Replay, Timeline, pre_order
+from .tied import tie_notes
 
 __all__ = ["plan", "Plan", "GroupPlan", "OPTIMIZERS"]
 
@@ -163,6 +164,7 @@ class _Param:
     unsharded_dtype: torch.dtype  # all-gather and compute
     reduce_dtype: torch.dtype
     layout: ShardLayout
+    tied_to: tuple[str, str] | None = None  # tied across calls: (the group that shards it first, its name there)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -202,7 +204,7 @@ def _build_nodes(model: nn.Module, wrapped: set[int], shard: int, rank: int, mp:
     """The tree of fully_shard calls, each with the parameters it owns: calls made bottom-up,
     as fully_shard requires, each walking its module as fully_shard does (``walk_params``)."""
     names = {id(m): n for n, m in model.named_modules()}
-    owner: dict[int, str] = {}  # id(param) -> the group that owns it
+    owner: dict[int, tuple[str, str]] = {}  # id(param) -> the group that owns it, the parameter's name there
 
     def build(module: nn.Module, is_root: bool) -> Call:
         children: list[Call] = []
@@ -218,20 +220,15 @@ def _build_nodes(model: nn.Module, wrapped: set[int], shard: int, rank: int, mp:
         name, prefix = names[id(module)] or "(root)", f"{names[id(module)]}." if names[id(module)] else ""
         params: list[_Param] = []
         for fqn, _, _, p in walk_params((module,), lambda m: id(m) in wrapped):
-            if owner.get(id(p)) == name:
+            if owner.get(id(p), ("",))[0] == name:
                 continue  # registered in several places of this group
-            if id(p) in owner:
-                raise ValueError(
-                    f"plan(): parameter {prefix + fqn!r} is shared with the group of {owner[id(p)]}, "
-                    "which fully_shard refuses (tied parameters must be in one group): shard "
-                    "their common parent instead, or leave one of the modules out of wrap"
-                )
-            owner[id(p)] = name
+            tied = owner.get(id(p))  # Note [tied parameters]: this group gathers it too; its state is the first's
+            owner[id(p)] = (name, prefix + fqn)
             if p.dim() == 0:
                 raise ValueError(f"plan(): fully_shard cannot shard the scalar parameter {prefix + fqn!r}")
             unsharded, reduce = param_dtypes(p.dtype, mp)
             params.append(_Param(prefix + fqn, tuple(p.shape), p.dtype, p.requires_grad, unsharded, reduce,
-                                 shard_layout(tuple(p.shape), shard, rank)))
+                                 shard_layout(tuple(p.shape), shard, rank), tied))
         reshard = (not is_root) if reshard_after_forward is None else reshard_after_forward
         return Call(name, params, children, reshard)
 
@@ -242,8 +239,8 @@ def _size(node: Call, shard: int, device_grads: bool) -> None:
     """Byte sizes of one group's buffers (see group.py / comm.py / param.py)."""
     node.ag_in = sum(p.layout.slot_numel * _itemsize(p.unsharded_dtype) for p in node.params)
     node.unsharded = shard * node.ag_in
-    trainable = [p for p in node.params if p.requires_grad]
-    node.ugrad = [math.prod(p.shape) * _itemsize(p.unsharded_dtype) for p in trainable]
+    node.ugrad = [math.prod(p.shape) * _itemsize(p.unsharded_dtype) for p in node.params if p.requires_grad]
+    trainable = [p for p in node.params if p.requires_grad and p.tied_to is None]  # one reduction per tie
     node.rs_in = shard * sum(p.layout.slot_numel * _itemsize(p.reduce_dtype) for p in trainable)
     # one reduce-scatter output per reduce dtype; kept alive if any gradient is a view of it
     buckets: dict[torch.dtype, list[_Param]] = {}
@@ -255,7 +252,7 @@ def _size(node: Call, shard: int, device_grads: bool) -> None:
             node.grad_view += sum(p.layout.slot_numel for p in bucket) * _itemsize(dtype)
         node.grad_copy += sum(p.layout.local_numel * _itemsize(p.dtype) for p in bucket
                               if not (device_grads and p.dtype == dtype))
-    node.sharded = sum(p.layout.local_numel * _itemsize(p.dtype) for p in node.params)
+    node.sharded = sum(p.layout.local_numel * _itemsize(p.dtype) for p in node.params if p.tied_to is None)
 
 
 def _add_activations(model: nn.Module, root: Call, nodes: list[Call], batch_size: int, seq_len: int,
@@ -387,9 +384,10 @@ def plan(
     states = OPTIMIZERS[optimizer]
     for n in nodes:
         _size(n, shard, device_grads=on_device)
-        n.optim = states * sum(p.layout.local_numel * _itemsize(p.dtype) for p in n.params if p.requires_grad)
+        n.optim = states * sum(p.layout.local_numel * _itemsize(p.dtype) for p in n.params if p.requires_grad and p.tied_to is None)
 
-    params = [p for n in nodes for p in n.params]
+    params = [p for n in nodes for p in n.params if p.tied_to is None]
+    notes += tie_notes(nodes)
     sharded = sum(n.sharded for n in nodes)
     grads = sum(n.grad_view + n.grad_copy for n in nodes)
     optim = sum(n.optim for n in nodes)

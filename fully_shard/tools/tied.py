@@ -4,6 +4,7 @@ hot path: the core imports this module only where a parameter is tied across cal
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -78,11 +79,21 @@ def warn_held_twice(root: FSDPState, states: list[FSDPState]) -> None:
         nbytes = p.size.numel() * p.unsharded_dtype.itemsize
         calls = " and ".join("the root's" if s.is_root else "the call on [" + ", ".join(paths.get(id(m), "?") for m in s.modules) + "]"
                              for s, _ in holding)
-        first, *others = (q.fqn for q in p.tie.params)
+        first, *names = (q.fqn for q in p.tie.params)
         warnings.warn(f"fully_shard: parameter {first!r} is tied across {len(p.tie.params)} fully_shard calls (as "
-                      f"{', '.join(repr(n) for n in others)}), and {len(holding)} of "
+                      f"{', '.join(repr(n) for n in names)}), and {len(holding)} of "
                       f"their groups keep it gathered between forward and backward ({calls}, with reshard_after_forward=False, "
                       f"the root's default): {len(holding)} full copies of {nbytes:,} bytes at the peak of "
                       "activation memory, where one would do. One fully_shard call over the modules that use it holds one: "
                       f"fully_shard([{grouping}]) (by their names under the root), before the root's call. See docs/design.md, "
                       "tied parameters.", stacklevel=2)
+
+
+def tie_notes(calls: list[Any]) -> list[str]:
+    """The planner's notes (``tools/plan.py``, its ``Call`` tree): each parameter tied across calls, the groups that
+    gather it and what one call over its modules would save (Note [tied parameters])."""
+    return [f"parameter {p.fqn!r} is tied to {p.tied_to[1]!r} (the group of {p.tied_to[0]}): the group of {call.name} "
+            f"gathers it too, one more all-gather of {math.prod(p.shape) * p.unsharded_dtype.itemsize:,} bytes (unsharded) "
+            "per forward, and one reduce-scatter sums both groups' gradients, held until the later post-backward; one "
+            "fully_shard call over the modules that use it gathers it once (docs/design.md, tied parameters across calls)"
+            for call in calls for p in call.params if p.tied_to is not None]
