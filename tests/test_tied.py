@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from fully_shard import MixedPrecisionPolicy, fully_shard
 from tests.harness import mesh, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
-from tests.oracle import ShardwiseOptimizer, average_gradients, close, ref_tol
+from tests.oracle import ShardwiseOptimizer, close, ref_tol, train_step
 
 LAYOUTS = ("torchtitan", "accelerate", "blocks", "shared_module")
 STEPS = 2
@@ -107,16 +107,7 @@ def _train(models: dict[str, nn.Module], opts: dict[str, Any], steps: int) -> li
     first, *others = models
     tol = (lambda what: ref_tol(what)) if first == "ref" else (lambda what: 0.0)
     for step in range(steps):
-        x = batch(step, dist.get_rank())
-        losses = {}
-        for name, model in models.items():
-            loss = loss_fn(model(x), x)
-            loss.backward()
-            if name == "ref":
-                average_gradients(model)
-            opts[name].step()
-            opts[name].zero_grad()
-            losses[name] = loss.detach()
+        losses = train_step(models, opts, batch(step, dist.get_rank()), loss_fn)
         for name in others:
             bad += _differs(losses[name], losses[first], tol("loss"), f"step {step}: loss of {name} vs {first}")
     expected = dict(models[first].named_parameters())
