@@ -8,7 +8,8 @@ finds these names already defined, the ones an example would have in a training 
 - ``mesh``: a 1-D CPU mesh over the world (one rank);
 - ``ModelArgs``, ``Transformer``, ``TransformerBlock``: the Llama-style model of examples/model.py; ``args``: its
   tiny shapes; ``model``: a fresh ``Transformer(args)`` (not sharded: the example shards it); ``block``:
-  ``model.layers[0]``; ``tokens``/``x``: a batch of token ids for ``model``;
+  ``model.layers[0]``; ``tokens``/``x``: a batch of token ids for ``model``; ``moe``: a small mixture-of-experts layer
+  (``moe.router``, ``moe.experts``) whose input is ``(tokens, 16)``; ``Shard``: the DTensor placement;
 - ``optimizer``: AdamW over ``model``'s parameters; ``schedule``: a learning-rate multiplier for ``LambdaLR``.
 
 Objects are built anew for every example, so one example's sharding or training never leaks into the next.
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import fully_shard
 from examples.model import ModelArgs, Transformer, TransformerBlock
@@ -38,6 +40,24 @@ collect_ignore = [
     "fully_shard/tools/activations.py",
     "fully_shard/tools/models.py",
 ]
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts layer, top-1 routed: an expert that no token picks gets no gradient."""
+
+    def __init__(self, dim: int = 16, n_experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, dim)
+        gate, choice = self.router(x).softmax(-1).max(-1)  # (N,), (N,)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            picked = choice == i
+            if picked.any():
+                out[picked] = gate[picked, None] * expert(x[picked])
+        return out
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +79,7 @@ def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, 
     doctest_namespace.update(
         torch=torch, nn=nn, dist=dist, init_device_mesh=init_device_mesh, mesh=init_device_mesh("cpu", (1,)),
         ModelArgs=ModelArgs, Transformer=Transformer, TransformerBlock=TransformerBlock, args=args, model=model,
-        block=model.layers[0], tokens=tokens, x=tokens, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
+        block=model.layers[0], moe=MoE(), Shard=Shard, tokens=tokens, x=tokens, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
         schedule=lambda step: min(1.0, (step + 1) / 100),  # linear warm-up over 100 steps
     )
     yield
