@@ -10,7 +10,8 @@ finds these names already defined, the ones an example would have in a training 
   tiny shapes; ``model``: a fresh ``Transformer(args)`` (not sharded: the example shards it); ``block``:
   ``model.layers[0]``; ``tokens``/``x``: a batch of token ids for ``model``; ``moe``: a small mixture-of-experts layer
   (``moe.router``, ``moe.experts``) whose input is ``(tokens, 16)``; ``Shard``: the DTensor placement;
-- ``optimizer``: AdamW over ``model``'s parameters; ``schedule``: a learning-rate multiplier for ``LambdaLR``.
+- ``schedule``: a learning-rate multiplier for ``LambdaLR``. No optimizer: it must be built after ``fully_shard``
+  (which replaces the parameters), so each example builds its own.
 
 Objects are built anew for every example, so one example's sharding or training never leaks into the next.
 """
@@ -79,7 +80,7 @@ def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, 
     doctest_namespace.update(
         torch=torch, nn=nn, dist=dist, init_device_mesh=init_device_mesh, mesh=init_device_mesh("cpu", (1,)),
         ModelArgs=ModelArgs, Transformer=Transformer, TransformerBlock=TransformerBlock, args=args, model=model,
-        block=model.layers[0], moe=MoE(), Shard=Shard, tokens=tokens, x=tokens, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
+        block=model.layers[0], moe=MoE(), Shard=Shard, tokens=tokens, x=tokens,
         schedule=lambda step: min(1.0, (step + 1) / 100),  # linear warm-up over 100 steps
     )
     yield

@@ -132,6 +132,8 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, str]]:
 
     Example::
 
+        >>> for step in (100, 200):
+        ...     path = save_checkpoint({"model": model.state_dict()}, "ckpt", step)
         >>> list_checkpoints("ckpt")
         [(100, 'ckpt/step_100'), (200, 'ckpt/step_200')]
     """
@@ -186,13 +188,17 @@ class CheckpointManager:
 
     Example::
 
-        >>> manager = CheckpointManager("ckpt", interval=100, keep_latest_k=2)
-        >>> for step in range(1, 1001):
-        ...     train_one_step()
-        ...     manager.maybe_save(step, lambda: {"model": get_model_state_dict(model)})
+        >>> from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        >>> fully_shard(model)
+        FSDPTransformer(...)
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> manager = CheckpointManager("ckpt", interval=3, keep_latest_k=2)
+        >>> for step in range(1, 10):
+        ...     model(tokens).sum().backward(); optimizer.step(); optimizer.zero_grad()
+        ...     path = manager.maybe_save(step, lambda: {"model": get_model_state_dict(model)})  # None off the interval
         >>> manager.close()
-        >>> manager.latest()
-        'ckpt/step_1000'
+        >>> manager.latest(), list_checkpoints("ckpt")
+        ('ckpt/step_9', [(6, 'ckpt/step_6'), (9, 'ckpt/step_9')])
     """
 
     def __init__(
