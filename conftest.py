@@ -10,7 +10,8 @@ finds these names already defined, the ones an example would have in a training 
   tiny shapes; ``model``: a fresh ``Transformer(args)`` (not sharded: the example shards it); ``block``:
   ``model.layers[0]``; ``tokens``/``x``: a batch of token ids for ``model``; ``moe``: a small mixture-of-experts layer
   (``moe.router``, ``moe.experts``) whose input is ``(tokens, 16)``; ``Shard``: the DTensor placement;
-- ``schedule``: a learning-rate multiplier for ``LambdaLR``. No optimizer: it must be built after ``fully_shard``
+- ``batches``: two ``(inputs, targets)`` pairs of token ids (targets: the next tokens); ``loss_fn(logits, targets)``:
+  cross-entropy; ``schedule``: a learning-rate multiplier for ``LambdaLR``. No optimizer: it must be built after ``fully_shard``
   (which replaces the parameters), so each example builds its own.
 
 Objects are built anew for every example, so one example's sharding or training never leaks into the next.
@@ -26,6 +27,7 @@ from _pytest.doctest import DoctestItem
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
@@ -81,6 +83,8 @@ def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, 
         torch=torch, nn=nn, dist=dist, init_device_mesh=init_device_mesh, mesh=init_device_mesh("cpu", (1,)),
         ModelArgs=ModelArgs, Transformer=Transformer, TransformerBlock=TransformerBlock, args=args, model=model,
         block=model.layers[0], moe=MoE(), Shard=Shard, tokens=tokens, x=tokens,
+        batches=[(t[:, :-1], t[:, 1:]) for t in torch.randint(0, args.vocab_size, (2, 2, 9))],  # (inputs, targets)
+        loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
         schedule=lambda step: min(1.0, (step + 1) / 100),  # linear warm-up over 100 steps
     )
     yield
