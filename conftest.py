@@ -11,19 +11,20 @@ finds these names already defined, the ones an example would have in a training 
   ``model.layers[0]``; ``tokens``/``x``: a batch of token ids for ``model``; ``moe``: a small mixture-of-experts layer
   (``moe.router``, ``moe.experts``) whose input is ``(tokens, 16)``; ``Shard``: the DTensor placement;
 - ``batches``: two ``(inputs, targets)`` pairs of token ids (targets: the next tokens); ``loss_fn(logits, targets)``:
-  cross-entropy; ``schedule``: a learning-rate multiplier for ``LambdaLR``. No optimizer: it must be built after ``fully_shard``
-  (which replaces the parameters), so each example builds its own.
+  cross-entropy; ``schedule``: a learning-rate multiplier for ``LambdaLR``.
+
+No optimizer: it must be built after ``fully_shard`` (which replaces the parameters), so each example builds its own.
 
 Objects are built anew for every example, so one example's sharding or training never leaks into the next.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _pytest.doctest import DoctestItem
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -33,6 +34,7 @@ from torch.distributed.tensor import Shard
 
 import fully_shard
 from examples.model import ModelArgs, Transformer, TransformerBlock
+from fully_shard.tools import set_debug
 
 # moved by redesign-planner; doctest them after merge
 collect_ignore = [
@@ -66,10 +68,11 @@ class MoE(nn.Module):
 @pytest.fixture(autouse=True)
 def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, Any]) -> Iterator[None]:
     """For doctest items only: a one-rank world, a temporary working directory and fresh objects to show."""
-    if not isinstance(request.node, DoctestItem):  # the test suite's own tests build what they need
+    if not isinstance(request.node, pytest.DoctestItem):  # the test suite's own tests build what they need
         yield
         return
-    request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("tmp_path"))  # examples that save checkpoints or figures write here
+    # examples that save checkpoints or figures write them here
+    request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("tmp_path"))
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -80,8 +83,8 @@ def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, 
     doctest_namespace.clear()
     doctest_namespace.update({name: getattr(fully_shard, name) for name in fully_shard.__all__})
     doctest_namespace.update(
-        torch=torch, nn=nn, dist=dist, init_device_mesh=init_device_mesh, mesh=init_device_mesh("cpu", (1,)),
-        ModelArgs=ModelArgs, Transformer=Transformer, TransformerBlock=TransformerBlock, args=args, model=model,
+        torch=torch, nn=nn, dist=dist, init_device_mesh=init_device_mesh,
+        mesh=init_device_mesh("cpu", (dist.get_world_size(),)), ModelArgs=ModelArgs, Transformer=Transformer, TransformerBlock=TransformerBlock, args=args, model=model,
         block=model.layers[0], moe=MoE(), Shard=Shard, tokens=tokens, x=tokens,
         batches=[(t[:, :-1], t[:, 1:]) for t in torch.randint(0, args.vocab_size, (2, 2, 9))],  # (inputs, targets)
         loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
@@ -89,5 +92,8 @@ def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, 
     )
     yield
     doctest_namespace.clear()
+    set_debug(False)  # an example that failed half-way must leave neither the debug mode nor the switch on
+    if "fully_shard.switch" in sys.modules:  # imported only when asked for (fully_shard.install)
+        sys.modules["fully_shard.switch"].uninstall()
     if started:
         dist.destroy_process_group()
