@@ -83,9 +83,10 @@ def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, 
     doctest_namespace.clear()
     doctest_namespace.update({name: getattr(fully_shard, name) for name in fully_shard.__all__})
     doctest_namespace.update(
-        torch=torch, nn=nn, dist=dist, init_device_mesh=init_device_mesh,
-        mesh=init_device_mesh("cpu", (dist.get_world_size(),)), ModelArgs=ModelArgs, Transformer=Transformer, TransformerBlock=TransformerBlock, args=args, model=model,
-        block=model.layers[0], moe=MoE(), Shard=Shard, tokens=tokens, x=tokens,
+        torch=torch, nn=nn, dist=dist, init_device_mesh=init_device_mesh, Shard=Shard,
+        mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
+        ModelArgs=ModelArgs, Transformer=Transformer, TransformerBlock=TransformerBlock, args=args,
+        model=model, block=model.layers[0], moe=MoE(), tokens=tokens, x=tokens,
         batches=[(t[:, :-1], t[:, 1:]) for t in torch.randint(0, args.vocab_size, (2, 2, 9))],  # (inputs, targets)
         loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
         schedule=lambda step: min(1.0, (step + 1) / 100),  # linear warm-up over 100 steps
