@@ -35,8 +35,8 @@ class ShardPlacementResult:
 
         >>> expert_mesh = mesh  # the ranks that hold the experts; here, the world of one rank
         >>> experts = set(moe.experts.parameters())  # sharded over the ranks of expert_mesh
-        >>> fully_shard(moe, mesh=mesh,
-        ...             shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), expert_mesh) if p in experts else None)
+        >>> place = lambda p: ShardPlacementResult(Shard(0), expert_mesh) if p in experts else None
+        >>> fully_shard(moe, mesh=mesh, shard_placement_fn=place)
         FSDPMoE(...)
     """
 
