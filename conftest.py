@@ -9,11 +9,13 @@ finds these names already defined, the ones an example would have in a training 
 - ``ModelArgs``, ``Transformer``, ``TransformerBlock``: the Llama-style model of examples/model.py; ``args``: its
   tiny shapes; ``model``: a fresh ``Transformer(args)`` (not sharded: the example shards it); ``block``:
   ``model.layers[0]``; ``tokens``/``x``: a batch of token ids for ``model``; ``moe``: a small mixture-of-experts layer
-  (``moe.router``, ``moe.experts``) whose input is ``(tokens, 16)``; ``Shard``: the DTensor placement;
+  (``moe.router``, ``moe.experts``) whose input is ``(N, 16)``; ``Shard``: the DTensor placement;
 - ``batches``: two ``(inputs, targets)`` pairs of token ids (targets: the next tokens); ``loss_fn(logits, targets)``:
   cross-entropy; ``schedule``: a learning-rate multiplier for ``LambdaLR``.
 
 No optimizer: it must be built after ``fully_shard`` (which replaces the parameters), so each example builds its own.
+An example that builds a ``torchft.Manager`` also finds what a fault-tolerant launch gives it: a Lighthouse named by
+``TORCHFT_LIGHTHOUSE`` and torchrun's store and rank variables.
 
 Objects are built anew for every example, so one example's sharding or training never leaks into the next.
 """
@@ -71,8 +73,9 @@ def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, 
     if not isinstance(request.node, pytest.DoctestItem):  # the test suite's own tests build what they need
         yield
         return
-    # examples that save checkpoints or figures write them here
-    request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("tmp_path"))
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
+    monkeypatch.chdir(request.getfixturevalue("tmp_path"))  # examples that save checkpoints or figures write them here
+    torchft_run = _torchft_launch(monkeypatch) if "torchft.Manager(" in (request.node.dtest.docstring or "") else None
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -98,3 +101,18 @@ def _doctest_world(request: pytest.FixtureRequest, doctest_namespace: dict[str, 
         sys.modules["fully_shard.switch"].uninstall()
     if started:
         dist.destroy_process_group()
+    if torchft_run is not None:
+        torchft_run[0].shutdown()
+
+
+def _torchft_launch(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, dist.TCPStore]:
+    """What an example that builds a ``torchft.Manager`` finds in a fault-tolerant run: a Lighthouse
+    (``torchft_lighthouse``) named by ``TORCHFT_LIGHTHOUSE``, and a replica group's store and rank as torchrun
+    sets them. Returns the Lighthouse, to shut down, and the store, to keep alive until then."""
+    coordination = pytest.importorskip("torchft.coordination", reason="needs torchft: pip install fully-shard[ft]")
+    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = dist.TCPStore("localhost", 0, 1, is_master=True, wait_for_workers=False)
+    for name, value in dict(TORCHFT_LIGHTHOUSE=lighthouse.address(), MASTER_ADDR="localhost",
+                            MASTER_PORT=str(store.port), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    return lighthouse, store

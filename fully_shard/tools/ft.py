@@ -43,16 +43,19 @@ class FaultTolerantHSDP:
         >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
         >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
         >>> import torchft
-        >>> manager = torchft.Manager(  # needs a running Lighthouse (torchft_lighthouse)  # doctest: +SKIP
-        ...     pg=torchft.ProcessGroupGloo(), min_replica_size=1, load_state_dict=None, state_dict=None,
-        ...     replica_id=f"train_{replica_id}", use_async_quorum=False)
-        >>> ft = FaultTolerantHSDP(manager, model, optimizer)  # doctest: +SKIP
-        >>> while manager.current_step() < steps:  # doctest: +SKIP
+        >>> replica_id, steps, batch = 0, 2, lambda step: tokens  # this group's index; the data of each step
+        >>> manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), min_replica_size=1, load_state_dict=None,
+        ...                           state_dict=None, replica_id=f"train_{replica_id}", use_async_quorum=False)
+        >>> ft = FaultTolerantHSDP(manager, model, optimizer)
+        >>> while manager.current_step() < steps:
         ...     ft.start_step()
         ...     model(batch(manager.current_step())).sum().backward()
         ...     if ft.should_commit():
         ...         optimizer.step()
         ...     optimizer.zero_grad()
+        >>> manager.current_step(), manager.num_participants()  # two steps committed, one replica group in the quorum
+        (2, 1)
+        >>> manager.shutdown(wait=False)
     """
 
     def __init__(self, manager: torchft.Manager, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
