@@ -321,7 +321,7 @@ def walk_params(modules: tuple[nn.Module, ...],
 
     Example::
 
-        >>> blocks = set(model.layers)  # sharded by earlier, inner calls
+        >>> blocks = set(model.layers)  # as if earlier, inner calls had sharded them
         >>> [fqn for fqn, *_ in walk_params((model,), lambda m: m in blocks)]
         ['tok_embeddings.weight', 'norm.weight', 'output.weight']
     """

@@ -131,6 +131,8 @@ def broadcast_full_state_dict(
         >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
         >>> sd = torch.load("llama.pt") if dist.get_rank() == 0 else None
         >>> broadcast_full_state_dict(model, sd)
+        >>> torch.equal(model.output.weight.full_tensor(), torch.load("llama.pt")["output.weight"])
+        True
     """
     rank = dist.get_rank()
     if rank == src and full_state_dict is None:
