@@ -3,8 +3,11 @@ communication trace, wrap policies and a collective debug mode.
 
 Example::
 
-    >>> from fully_shard.tools import apply_fully_shard, debug_collectives, plan, trace_comm
-    >>> print(plan("llama3-8b", 64))
+    >>> from fully_shard.tools import apply_fully_shard, debug_collectives, trace_comm
+    >>> apply_fully_shard(model, module_classes={TransformerBlock})  # each block, then the root
+    FSDPTransformer(...)
+    >>> with debug_collectives(), trace_comm() as trace:  # every rank issues the same collectives; record them
+    ...     model(tokens).sum().backward()
 """
 
 from ..layout import ShardLayout, shard_layout
