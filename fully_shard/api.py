@@ -76,9 +76,9 @@ class _ReplacedParameter(nn.Parameter):
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
         owner: _Owner = self.__dict__[OWNER_ATTR]
         who = next((type(o).__name__ for o in callers_self() if isinstance(o, torch.optim.Optimizer)), "This code")
-        raise RuntimeError(f"{who} holds parameter {owner.fqn!r} of {owner.label} as it was before fully_shard replaced it with a "
-                           "sharded DTensor: this step would update a tensor the model no longer uses. Build the optimizer after "
-                           "fully_shard, from model.parameters().")
+        raise RuntimeError(f"{who} holds parameter {owner.fqn!r} of {owner.label} as it was before fully_shard "
+                           "replaced it with a sharded DTensor: this step would update a tensor the model no longer "
+                           "uses. Build the optimizer after fully_shard, from model.parameters().")
 
 
 def fully_shard(
@@ -162,8 +162,9 @@ def fully_shard(
     ignored = set(ignored_params or ())
     label = ", ".join(type(m).__name__ for m in modules)
     if odd := [x for x in ignored if not isinstance(x, torch.Tensor)]:
-        raise ValueError(f"fully_shard({label}): ignored_params must hold parameters, got a {type(odd[0]).__name__} ({odd[0]!r:.60}); "
-                         "pass the parameters themselves, e.g. ignored_params={model.norm.weight}")
+        raise ValueError(f"fully_shard({label}): ignored_params must hold parameters, got a {type(odd[0]).__name__} "
+                         f"({odd[0]!r:.60}); pass the parameters themselves, e.g. "
+                         "ignored_params={model.norm.weight}")
 
     found = _collect_params(modules, ignored)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -177,11 +178,13 @@ def fully_shard(
 
             check_alike(fqn, modules, first, (info, dim % p.dim(), offload, param_dtypes(p.dtype, mp_policy)))
         sharded.append(ShardedParam(p, fqn, uses, info, device, mp_policy, offload, pin, dim, first))
-    reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info, [(p.local_fqn, p.mesh_info) for p in sharded])
+    reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info,
+                                                          [(p.local_fqn, p.mesh_info) for p in sharded])
     ext = next((sp.local_fqn for sp in sharded if sp.extension and id(sp.mesh_info) in post_forward), None)
     if ext is not None:  # torch raises NotImplementedError too, at the backward all-gather
-        raise NotImplementedError(f"fully_shard({label}): reshard_after_forward=<int> is not supported for tensor-subclass "
-                                  f"parameters that all-gather themselves ({ext!r}); pass True or False")
+        raise NotImplementedError(f"fully_shard({label}): reshard_after_forward=<int> is not supported for "
+                                  f"tensor-subclass parameters that all-gather themselves ({ext!r}); "
+                                  "pass True or False")
     _move_buffers(modules, device)
     for original, sp in zip(found, sharded):
         if sp.owner is None:  # not tied to an earlier call's, which owns it
@@ -231,8 +234,8 @@ def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fq
     if placement is None:
         return 0, info
     if type(placement) is not Shard:
-        raise ValueError(f"shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, got {placement!r} "
-                         f"for parameter {fqn!r}")
+        raise ValueError("shard_placement_fn must return Shard(dim), a ShardPlacementResult or None, got "
+                         f"{placement!r} for parameter {fqn!r}")
     dim = placement.dim
     if not -param.dim() <= dim < param.dim():
         raise ValueError(f"shard_placement_fn returned {placement!r} for parameter {fqn!r} of {param.dim()} dims")
@@ -247,10 +250,12 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
         if not isinstance(m, nn.Module):
             raise ValueError(f"fully_shard expects nn.Module(s), got {type(m).__name__}")
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
-            raise ValueError(f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its parameters would never be "
-                             "gathered. Shard each member, or pass the members as a list: fully_shard(list(container))")
+            raise ValueError(f"fully_shard cannot shard a {type(m).__name__}: it has no forward, so its parameters "
+                             "would never be gathered. Shard each member, or pass the members as a list: "
+                             "fully_shard(list(container))")
         if getattr(m, STATE_ATTR, None) is not None:
-            raise ShardedUsageError(f"fully_shard was already called on this {type(m).__name__}; call it once per module")
+            raise ShardedUsageError(f"fully_shard was already called on this {type(m).__name__}; "
+                                    "call it once per module")
     return modules
 
 
@@ -286,9 +291,9 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
             continue
         owner: _Owner | None = p.__dict__.get(OWNER_ATTR)
         if owner is not None and any(owner.encloses(m) for m in modules):
-            raise ValueError(f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded by the fully_shard "
-                             f"call on {owner.label}, an enclosing module. Apply fully_shard bottom-up: inner modules (e.g. each "
-                             "block) first, the root last.")
+            raise ValueError(f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded by the "
+                             f"fully_shard call on {owner.label}, an enclosing module. Apply fully_shard bottom-up: "
+                             "inner modules (e.g. each block) first, the root last.")
         found.setdefault(p, (fqn, [], None if owner is None else owner.param))[1].append((module, name))
     return found
 
@@ -346,9 +351,10 @@ def _fsdp_class(cls: type) -> type:
 
 
 def _no_deepcopy(self: nn.Module, memo: Any) -> Any:
-    raise ShardedDeepcopyError(f"copy.deepcopy is not supported on {type(self).__name__}, a module sharded by fully_shard: its "
-                               "parameters alternate between sharded DTensors and views of communication buffers. Deep-copy the "
-                               "model before calling fully_shard, or build a new model and load_state_dict(model.state_dict()).")
+    raise ShardedDeepcopyError(f"copy.deepcopy is not supported on {type(self).__name__}, a module sharded by "
+                               "fully_shard: its parameters alternate between sharded DTensors and views of "
+                               "communication buffers. Deep-copy the model before calling fully_shard, or build a new "
+                               "model and load_state_dict(model.state_dict()).")
 
 
 class UnshardHandle:
@@ -572,7 +578,8 @@ class FSDPModule:
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in torch: use :meth:`set_gradient_divide_factor`."""
-        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor", FutureWarning, stacklevel=2)
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor", FutureWarning,
+                      stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
@@ -649,9 +656,10 @@ class FSDPModule:
             pg, device, o = group.mesh_info.shard.group, group.device, group.options
             found = _backend_name(pg, device)
             if found.lower() != backend.lower():
-                raise NotImplementedError(f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory needs a "
-                                          f"{backend} process group on an accelerator, but this module has {found} on {device}. It "
-                                          f"changes where buffers live, not the results: call it only when running on {backend}.")
+                raise NotImplementedError(f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory "
+                                          f"needs a {backend} process group on an accelerator, but this module has "
+                                          f"{found} on {device}. It changes where buffers live, not the results: call "
+                                          f"it only when running on {backend}.")
             _check_own_comms(self, "set_symm_mem_for_comm", group, True)
             _check_symm_buffers(self, o.max_input_buffers, o.force_sum_reduction)
             all_gather, reduce_scatter = PoolComm(pg, backend), o.reduce_scatter_comm
@@ -678,25 +686,26 @@ def _warn_gloo_on_accelerator(pg: dist.ProcessGroup, device: torch.device) -> No
     except RuntimeError:  # no backend registered for this device (a fake group, as the planner's)
         return
     warnings.warn(f"fully_shard: the mesh's process group carries {device} tensors over gloo. fully_shard trains there "
-                  "(gloo copies them through the host, slowly), but DTensor.full_tensor(), redistribute(...Replicate()) "
-                  "and full state dicts of these parameters kill the process with SIGSEGV and no traceback (torch's gloo, "
-                  "pytorch/pytorch#152645). Use NCCL with one rank per device: init_process_group('nccl'), and torchrun "
-                  "--nproc-per-node at most the device count.", stacklevel=3)
+                  "(gloo copies them through the host, slowly), but DTensor.full_tensor(), "
+                  "redistribute(...Replicate()) and full state dicts of these parameters kill the process with SIGSEGV "
+                  "and no traceback (torch's gloo, pytorch/pytorch#152645). Use NCCL with one rank per device: "
+                  "init_process_group('nccl'), and torchrun --nproc-per-node at most the device count.", stacklevel=3)
 
 
 def _check_own_comms(module: FSDPModule, method: str, group: ParamGroup, symmetric: bool) -> None:
     """Refuse to replace a user's Comm (``set_custom_*``) or the other kind of pool, as torch does."""
     for comm in (group.all_gather_comm, group.reduce_scatter_comm):
         if comm is not None and getattr(comm, "symmetric", None) is not symmetric:
-            raise ShardedUsageError(f"{type(module).__name__}.{method}: this module's Comm {type(comm).__name__} (set_custom_*, or "
-                                    "the other of set_symm_mem_for_comm / set_allocate_memory_...) allocates its buffers itself: "
-                                    "call only one of these, as in torch.")
+            raise ShardedUsageError(f"{type(module).__name__}.{method}: this module's Comm {type(comm).__name__} "
+                                    "(set_custom_*, or the other of set_symm_mem_for_comm / set_allocate_memory_...) "
+                                    "allocates its buffers itself: call only one of these, as in torch.")
 
 
 def _check_symm_buffers(module: FSDPModule, max_input_buffers: int, symmetric: bool) -> None:
     if max_input_buffers > 1 and symmetric:  # torch's rule: the symmetric pool would keep one segment per input
-        raise ValueError(f"{type(module).__name__}: set_reduce_scatter_max_input_buffers({max_input_buffers}) is not supported with "
-                         "a symmetric-memory reduce-scatter (set_symm_mem_for_comm with force-sum reduction), as in torch: keep 1.")
+        raise ValueError(f"{type(module).__name__}: set_reduce_scatter_max_input_buffers({max_input_buffers}) is not "
+                         "supported with a symmetric-memory reduce-scatter (set_symm_mem_for_comm with force-sum "
+                         "reduction), as in torch: keep 1.")
 
 
 def _check_comm(comm: Any, method: str) -> None:
@@ -724,8 +733,8 @@ def _states_of(caller: nn.Module | None, modules: list[Any], method: str) -> lis
     for i, m in enumerate(modules):
         if not isinstance(m, FSDPModule):
             name = repr(type(m).__name__) if caller is None else _name_in_model(caller, m)
-            raise ValueError(f"{method} expects modules sharded by fully_shard, got {name} ({type(m).__name__}, item {i} of the "
-                             "list). Pass modules fully_shard was called on, e.g. model.layers[i + 1].")
+            raise ValueError(f"{method} expects modules sharded by fully_shard, got {name} ({type(m).__name__}, item "
+                             f"{i} of the list). Pass modules fully_shard was called on, e.g. model.layers[i + 1].")
     return [state_of(m) for m in modules]
 
 

@@ -32,7 +32,8 @@ _AVG_SAFE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 class CollectiveEvent:
     """One collective fully_shard issued, for observers (``fully_shard.tools.trace_comm``).
 
-    The one internal interface the tools build on (``add_observer``): read the fields, never parse ``what`` (for people).
+    The one internal interface the tools build on (``add_observer``). Read the fields; ``what`` is for people, never
+    parse it.
     """
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
@@ -87,7 +88,8 @@ def _issue(kind: str, what: str, group: dist.ProcessGroup, inp: torch.Tensor, ca
     event = None
     if monitor.observers:
         backward = torch._C._current_graph_task_id() != -1
-        event = CollectiveEvent(kind, what, group.size(), inp.numel() * inp.element_size(), backward, time.perf_counter(), label=label)
+        event = CollectiveEvent(kind, what, group.size(), inp.numel() * inp.element_size(), backward,
+                                time.perf_counter(), label=label)
     with record_function(f"fully_shard::{kind} {label}" if label else f"fully_shard::{kind}"):  # as torch's, named
         return call(), event
 
@@ -111,17 +113,18 @@ def _wait(work: dist.Work, what: str) -> None:
             # once per process, on stderr: an abort may follow that no exception message survives
             monitor.hint_printed = True
             print(
-                "fully_shard: a collective failed. If the ranks ran different modules (an exception or a skipped block on "
-                f"some ranks), rerun with the environment variable {DEBUG_ENV}=1: every collective is then checked across "
-                "ranks first and the first divergence raises CollectiveMismatchError naming it (see docs/troubleshooting.md).",
+                "fully_shard: a collective failed. If the ranks ran different modules (an exception or a skipped block "
+                f"on some ranks), rerun with the environment variable {DEBUG_ENV}=1: every collective is then checked "
+                "across ranks first and the first divergence raises CollectiveMismatchError naming it (see "
+                "docs/troubleshooting.md).",
                 file=sys.stderr, flush=True,
             )
         raise CollectiveError(
             f"fully_shard: the {what} did not complete: {e}\n"
-            "Another rank has probably failed or stopped issuing the same collectives; this rank waits for it up to the "
-            "process group's timeout (init_process_group(timeout=...)). If every rank caught an exception in the same "
-            "iteration, call reset_iter_state() on the root module and carry on; otherwise restart from the last checkpoint. "
-            f"To find where the ranks diverged, rerun with {DEBUG_ENV}=1."
+            "Another rank has probably failed or stopped issuing the same collectives; this rank waits for it up to "
+            "the process group's timeout (init_process_group(timeout=...)). If every rank caught an exception in the "
+            "same iteration, call reset_iter_state() on the root module and carry on; otherwise restart from the last "
+            f"checkpoint. To find where the ranks diverged, rerun with {DEBUG_ENV}=1."
         ) from e
 
 
@@ -170,10 +173,12 @@ class ReduceScatterWork(CollectiveWork):
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str, label: str = "",
                custom: Any = None) -> None:
-    """HSDP: reduce the reduce-scatter output across replicas, in place; through the reduce-scatter Comm's
-    ``all_reduce`` where it has one (our extension of torch's Comm API, e.g. ``fully_shard.quant``: it may return None)."""
+    """HSDP: reduce the reduce-scatter output across replicas, in place. It goes through the reduce-scatter Comm's
+    ``all_reduce`` where it has one (our extension of torch's Comm API, e.g. ``fully_shard.quant``; it may return None).
+    """
     fn = getattr(custom, "all_reduce", None) or dist.all_reduce
-    work, event = _issue("all_reduce", what, group, tensor, lambda: fn(tensor, op=op, group=group, async_op=True), label)
+    work, event = _issue("all_reduce", what, group, tensor,
+                         lambda: fn(tensor, op=op, group=group, async_op=True), label)
     if work is not None:
         _wait(work, what)
     _finish(event)
@@ -208,9 +213,10 @@ class PoolComm:
         self.group, self.symmetric = group, symm_backend is not None
         if symm_backend is not None:
             if not hasattr(symm_mem, "get_mem_pool"):  # at the call, not at the first all-gather's allocation
-                raise NotImplementedError(f"symmetric-memory buffers need torch.distributed._symmetric_memory.get_mem_pool, "
-                                          f"which torch {torch.__version__} lacks (torch 2.13 has it): upgrade torch, or "
-                                          "leave set_symm_mem_for_comm out (it changes where buffers live, not the results)")
+                raise NotImplementedError("symmetric-memory buffers need "
+                                          "torch.distributed._symmetric_memory.get_mem_pool, which torch "
+                                          f"{torch.__version__} lacks (torch 2.13 has it): upgrade torch, or leave "
+                                          "set_symm_mem_for_comm out (it changes where buffers live, not the results)")
             symm_mem.set_backend(symm_backend)  # type: ignore[arg-type]
             dist.barrier(group=group)  # the communicator must exist before the first rendezvous
 
@@ -230,14 +236,16 @@ class PoolComm:
         return _collective(output_tensor, input_tensor, group, op, async_op)
 
 
-def _start(kind: str, what: str, ranks: Ranks, out: torch.Tensor, inp: torch.Tensor, custom: Any, label: str, **op: Any) -> Any:
-    """Issue an async all-gather or reduce-scatter of ``inp`` into ``out`` (through the user's ``custom`` Comm if set)."""
+def _start(kind: str, what: str, ranks: Ranks, out: torch.Tensor, inp: torch.Tensor, custom: Any, label: str,
+           **op: Any) -> Any:
+    """Issue an async all-gather or reduce-scatter of ``inp`` into ``out`` (through the user's ``custom`` Comm)."""
     fn, group = _collective if custom is None else custom, ranks.group
-    return _issue(kind, what, group, inp, lambda: fn(output_tensor=out, input_tensor=inp, group=group, async_op=True, **op), label)
+    return _issue(kind, what, group, inp,
+                  lambda: fn(output_tensor=out, input_tensor=inp, group=group, async_op=True, **op), label)
 
 
-def all_gather(shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks, dtype: torch.dtype, device: torch.device,
-               what: str, label: str = "", custom: Any = None) -> CollectiveWork:
+def all_gather(shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks, dtype: torch.dtype,
+               device: torch.device, what: str, label: str = "", custom: Any = None) -> CollectiveWork:
     """Pack ``shards`` (1-D, each padded to its ``shard_numels`` entry) into this rank's slot of the output and
     all-gather in place over ``ranks``.
 
@@ -301,7 +309,8 @@ def divide_factors(
     return dist.ReduceOp.SUM, pre, total / pre
 
 
-def reduce_scatter(grads: list[torch.Tensor], ranks: Ranks, dtype: torch.dtype, *, dp_size: int, divide_factor: float | None,
+def reduce_scatter(grads: list[torch.Tensor], ranks: Ranks, dtype: torch.dtype, *, dp_size: int,
+                   divide_factor: float | None,
                    force_sum: bool, what: str, label: str = "", custom: Any = None) -> ReduceScatterWork:
     """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard.
 

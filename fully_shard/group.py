@@ -107,11 +107,13 @@ class ParamGroup:
         self.label = label  # the module(s) of the fully_shard call, for messages and traces
         self.post_forward: dict[int, comm.Ranks] = {}  # while POST_FORWARD: per mesh (id), the k ranks holding slices
         self.state = GroupState.SHARDED
-        self._split_buckets()  # _gather_buckets by unsharded dtype and mesh; _ext by mesh: local tensors gathering themselves
+        # _gather_buckets by unsharded dtype and mesh; _ext by mesh: local tensors gathering themselves
+        self._split_buckets()
         self._ext_slots: list[list[int]] = []  # their inputs' per-rank slots, in bytes, per bucket
         self._all_gathers: list[comm.CollectiveWork] = []  # in flight while UNSHARDING
         self.streams: Streams | None = None  # the root's, once known (see ``_streams``)
-        self._partials: dict[tuple[int, ...], torch.Tensor] = {}  # HSDP, all-reduce off: reduce-scatter outputs awaiting it
+        # HSDP, all-reduce off: reduce-scatter outputs awaiting it
+        self._partials: dict[tuple[int, ...], torch.Tensor] = {}
         self.options = GroupOptions()  # the user's settings: FSDPModule._update replaces it
         self.grad_state = GradState.NONE
         for p in params:
@@ -158,8 +160,10 @@ class ParamGroup:
         """One all-gather per unsharded dtype and mesh (then one, of bytes, per mesh for the subclasses that gather
         themselves); from POST_FORWARD, a mesh's kept slices within its k ranks."""
 
-        def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str, ranks: comm.Ranks) -> comm.CollectiveWork:
-            return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label, self.options.all_gather_comm)
+        def gather(shards: list[Any], numels: list[int], dtype: torch.dtype, what: str,
+                   ranks: comm.Ranks) -> comm.CollectiveWork:
+            return comm.all_gather(shards, numels, ranks, dtype, self.device, what, self.label,
+                                   self.options.all_gather_comm)
 
         # which parameters gather themselves is looked up afresh (hooks patched on later); not for kept slices
         if not self.post_forward and any([p.refresh_extension() for p in self.params]):
@@ -196,7 +200,8 @@ class ParamGroup:
             world = work.world_size
             for p in bucket:
                 p.alloc_unsharded()
-            comm.copy_out(work, [p.layout.padded_numel // world for p in bucket], [p.gather_dest(world) for p in bucket])
+            comm.copy_out(work, [p.layout.padded_numel // world for p in bucket],
+                          [p.gather_dest(world) for p in bucket])
             for p in bucket:
                 p.note_unsharded_version()
         for gathers, slots, work in zip(self._ext, self._ext_slots, self._all_gathers[len(self._gather_buckets) :]):
@@ -276,8 +281,8 @@ class ParamGroup:
 
     def reduce_grads(self) -> PendingReduce | None:
         """Reduce-scatter this group's gradients, or accumulate them while sync is off; returns the reduction in flight
-        (``finish_reduce`` assigns its result). Parameters whose gradient is None (unused this iteration) take no part, as
-        in torch's FSDP2 (which parameters are used must then be the same on every rank), unless
+        (``finish_reduce`` assigns its result). Parameters whose gradient is None (unused this iteration) take no part,
+        as in torch's FSDP2 (which parameters are used must then be the same on every rank), unless
         ``reduce_scatter_unused_params``: Note [same collectives everywhere]."""
         self.move_grads(GradState.NONE)
         options = self.options
@@ -290,13 +295,15 @@ class ParamGroup:
                 if grad is not None:
                     p.accumulated_grad.add_(grad)
                 grad = p.accumulated_grad
-            if grad is None and options.reduce_scatter_unused_params and options.requires_gradient_sync and p.sharded_param.requires_grad:
+            if (grad is None and options.reduce_scatter_unused_params and options.requires_gradient_sync
+                    and p.sharded_param.requires_grad):
                 # unused here, maybe used on another rank: every rank reduces the same tensors
                 grad = torch.zeros(p.size, dtype=p.reduce_dtype, device=self.device)
             if grad is None:
                 continue
             # Note [tied parameters]: while another group gathering it owes a post-backward, that one reduces the sum
-            waits = len(p.tie.params) > 1 and any(q.group.grad_state is not GradState.NONE for q in p.tie.params if q is not p)
+            waits = len(p.tie.params) > 1 and any(q.group.grad_state is not GradState.NONE for q in p.tie.params
+                                                  if q is not p)
             if waits or not options.requires_gradient_sync:
                 # kept unsharded until a synced backward (in the reduce dtype), or as it is until the tie's last group
                 p.accumulated_grad = grad if waits or grad.dtype == p.reduce_dtype else grad.to(p.reduce_dtype)
@@ -311,9 +318,12 @@ class ParamGroup:
         streams = self._streams()
         streams.wait_for_current("reduce_scatter")  # the gradients were computed there
         with streams.use("reduce_scatter"):  # one per reduce dtype and mesh
-            reductions = [(self._reduce_scatter(bucket, grads), bucket) for bucket in _buckets(list(grads), lambda p: p.reduce_dtype)]
-        # streams: the gradients are read on the reduce-scatter stream, held until its wait; without, packed already: freed
-        return PendingReduce(self, reductions, options.requires_all_reduce, list(grads.values()) if streams.backend is not None else [])
+            reductions = [(self._reduce_scatter(bucket, grads), bucket)
+                          for bucket in _buckets(list(grads), lambda p: p.reduce_dtype)]
+        # streams: the gradients are read on the reduce-scatter stream, held until its wait; without, packed already:
+        # freed
+        return PendingReduce(self, reductions, options.requires_all_reduce,
+                             list(grads.values()) if streams.backend is not None else [])
 
     def _alias_grads(self, grads: dict[ShardedParam, torch.Tensor]) -> bool:
         """Whether reducing these gradients is the identity (one rank, no replicas, no divide factor, hook or cast):
@@ -321,13 +331,16 @@ class ParamGroup:
         o = self.options
         if o.gradient_divide_factor is not None or o.all_reduce_hook is not None or o.force_sum_reduction:
             return False
-        return all(p.mesh_info.shard.size == 1 and p.mesh_info.replicate is None and p.reduce_dtype == p.dtype == g.dtype
+        return all(p.mesh_info.shard.size == 1 and p.mesh_info.replicate is None
+                   and p.reduce_dtype == p.dtype == g.dtype
                    and g.device == p.shard_device and g.is_contiguous() for p, g in grads.items())
 
-    def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[ShardedParam, torch.Tensor]) -> comm.ReduceScatterWork:
+    def _reduce_scatter(self, bucket: list[ShardedParam],
+                        grads: dict[ShardedParam, torch.Tensor]) -> comm.ReduceScatterWork:
         info, o = bucket[0].mesh_info, self.options
         ranks = dataclasses.replace(info.shard, group=o.reduce_scatter_groups.get(id(info), info.shard.group))
-        tied = "".join(f" (with tied {p.fqn!r}, its uses' gradients summed)" for p in bucket if len(p.tie.params) > 1)  # debug mode
+        # debug mode
+        tied = "".join(f" (with tied {p.fqn!r}, its uses' gradients summed)" for p in bucket if len(p.tie.params) > 1)
         return comm.reduce_scatter(
             [p.layout.grad_for_reduce(grads[p]) for p in bucket], ranks, bucket[0].reduce_dtype,
             dp_size=ranks.size * (info.replicate.size if info.replicate else 1), divide_factor=o.gradient_divide_factor,
@@ -353,7 +366,8 @@ class ParamGroup:
                     if not pending.all_reduce:
                         self._partials[key] = output  # reduced within the shard group only
                         continue
-                    comm.all_reduce(output, info.replicate.group, work.all_reduce_op, f"all-reduce of {self.label}'s gradients", self.label,
+                    comm.all_reduce(output, info.replicate.group, work.all_reduce_op,
+                                    f"all-reduce of {self.label}'s gradients", self.label,
                                     self.options.reduce_scatter_comm)
                 if (hook := self.options.all_reduce_hook) is not None:
                     streams.detour(self.options.all_reduce_hook_stream, lambda: hook(output))

@@ -103,10 +103,12 @@ def resolve_reshard_after_forward(
         return setting, {}
     keep: dict[int, Ranks] = {}
     for fqn, other in params:
-        k = setting if other is info else reshard_setting(value, other.shard.size, f" of the mesh shard_placement_fn gave {fqn!r}")
+        k = setting if other is info else reshard_setting(value, other.shard.size,
+                                                          f" of the mesh shard_placement_fn gave {fqn!r}")
         if type(k) is int and id(other) not in keep:
             if other.spmd_mesh is not None:
-                raise NotImplementedError("reshard_after_forward=<int> is not supported with dp_mesh_dims; pass True or False")
+                raise NotImplementedError("reshard_after_forward=<int> is not supported with dp_mesh_dims; pass True "
+                                          "or False")
             keep[id(other)] = _post_forward_info(other, k)
     return True, keep
 
@@ -136,7 +138,8 @@ def _post_forward_info(info: MeshInfo, k: int) -> Ranks:
     return made[key]
 
 
-def separate_group(info: MeshInfo, made: dict[tuple[int, ...], dist.ProcessGroup], current: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def separate_group(info: MeshInfo, made: dict[tuple[int, ...], dist.ProcessGroup],
+                   current: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """A process group of the shard ranks for reduce-scatters alone: one per set of ranks in
     ``made`` (one ``set_separate_reduce_scatter_group`` call), reusing the group's ``current`` one."""
     ranks = tuple(dist.get_process_group_ranks(info.shard.group))
@@ -201,7 +204,8 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError(
-            "dp_mesh_dims names mesh dims, but this mesh has no mesh_dim_names: build it with init_device_mesh(..., mesh_dim_names=...)"
+            "dp_mesh_dims names mesh dims, but this mesh has no mesh_dim_names: build it with init_device_mesh(..., "
+            "mesh_dim_names=...)"
         )
     for name in dims.shard_names + dims.replicate_names:
         if name not in names:

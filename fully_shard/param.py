@@ -42,7 +42,8 @@ class ShardedParam:
     which DTensors users see (plain, tensor-parallel, ``dp_mesh_dims``).
     """
 
-    # set by __init__ for a parameter it shards, or taken from the ShardedParam of an earlier call (Note [tied parameters])
+    # set by __init__ for a parameter it shards, or taken from the ShardedParam of an earlier call (Note [tied
+    # parameters])
     tie: Tie  # every call's ShardedParam of this parameter
     owner: Any  # the fully_shard call that sharded it (api's ``_Owner``)
     size: torch.Size  # of the (TP-local) tensor that is gathered
@@ -55,11 +56,14 @@ class ShardedParam:
     self_gather: SelfGather | None
 
     def __init__(
-        self, param: nn.Parameter, fqn: str, uses: list[tuple[nn.Module, str]], mesh_info: MeshInfo, device: torch.device,
-        mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool, shard_dim: int = 0, tied_to: ShardedParam | None = None,
+        self, param: nn.Parameter, fqn: str, uses: list[tuple[nn.Module, str]], mesh_info: MeshInfo,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool, shard_dim: int = 0,
+        tied_to: ShardedParam | None = None,
     ) -> None:
         if param.dim() == 0:
-            raise ValueError(f"fully_shard cannot shard the scalar parameter {fqn!r}: give it shape (1,) or pass it in ignored_params")
+            raise ValueError(f"fully_shard cannot shard the scalar parameter {fqn!r}: give it shape (1,) or pass it in "
+                             "ignored_params")
         self.local_fqn = fqn  # relative to the module(s) given to fully_shard
         self.fqn = fqn  # relative to the root, once lazy init knows it
         self.uses = uses  # every (module, attribute name) that registers this parameter
@@ -80,7 +84,8 @@ class ShardedParam:
         if tied_to is not None:  # Note [tied parameters]: another call sharded it (alike: fully_shard checks)
             self.tie = tied_to.tie
             self.tie.params.append(self)
-            self.owner, self._spec, self.mesh_layout, self.layout = tied_to.owner, tied_to._spec, tied_to.mesh_layout, tied_to.layout
+            self.owner, self._spec, self.mesh_layout, self.layout = (tied_to.owner, tied_to._spec, tied_to.mesh_layout,
+                                                                     tied_to.layout)
             self.size, self.sharded_param = tied_to.size, tied_to.sharded_param
             self.self_gather = SelfGather(self) if tied_to.self_gather is not None else None
             self._set_dtypes(tied_to.dtype)
@@ -123,7 +128,8 @@ class ShardedParam:
         return self.self_gather is not None
 
     def set_owner(self, owner: object) -> None:
-        """Record the owner on the sharded parameter too (again when that is replaced or swapped: ``refresh_after_apply``)."""
+        """Record the owner on the sharded parameter too (again when that is replaced or swapped:
+        ``refresh_after_apply``)."""
         self.owner = owner
         self.sharded_param.__dict__[OWNER_ATTR] = owner
 
@@ -133,7 +139,8 @@ class ShardedParam:
 
     def _set_dtypes(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # of the sharded parameter, its gradient and optimizer state
-        self.unsharded_dtype, self.reduce_dtype = param_dtypes(dtype, self.mp_policy)  # all-gather and compute; reduce-scatter
+        # all-gather and compute; reduce-scatter
+        self.unsharded_dtype, self.reduce_dtype = param_dtypes(dtype, self.mp_policy)
 
     def refresh_after_apply(self) -> None:
         """After ``to_empty()`` / ``to()`` / ``.double()``: keep offloaded shards on the CPU, and follow a new dtype."""
@@ -164,7 +171,7 @@ class ShardedParam:
         return self.sharded_param._local_tensor  # type: ignore[attr-defined, no-any-return]
 
     def flat_shard(self) -> torch.Tensor:
-        """This rank's part, 1-D: the all-gather input (the view is cached while the local tensor is the same object)."""
+        """This rank's part, 1-D: the all-gather input. The view is cached while the local tensor is the same object."""
         local = self.local_shard
         if self._flat[0] is not local:
             self._flat = (local, local.view(-1) if local.is_contiguous() else None)
@@ -186,7 +193,8 @@ class ShardedParam:
                 "(e.g. through torch.distributed.checkpoint), not as a full tensor"
             )
         if full.shape != self.size:
-            raise ValueError(f"load_state_dict: {key!r} has shape {tuple(full.shape)}, the parameter {tuple(self.size)}")
+            raise ValueError(f"load_state_dict: {key!r} has shape {tuple(full.shape)}, the parameter "
+                             f"{tuple(self.size)}")
         local = self.layout.local_part(full).to(device=self.local_shard.device, dtype=self.dtype)
         return self.to_sharded_dtensor(local.contiguous())
 
@@ -194,10 +202,12 @@ class ShardedParam:
         """``what`` (``load_state_dict(assign=True)``) registered ``param``: make it the sharded one."""
         if param.placements != self._spec.placements or param.shape != self.sharded_param.shape:
             raise ValueError(
-                f"{what}: {self.fqn!r} got a DTensor with placements {param.placements} and shape {tuple(param.shape)}; "
-                f"fully_shard laid it out as {self._spec.placements} with shape {tuple(self.sharded_param.shape)}"
+                f"{what}: {self.fqn!r} got a DTensor with placements {param.placements} and shape "
+                f"{tuple(param.shape)}; fully_shard laid it out as {self._spec.placements} with shape "
+                f"{tuple(self.sharded_param.shape)}"
             )
-        new = param if isinstance(param, nn.Parameter) else nn.Parameter(param, requires_grad=self.sharded_param.requires_grad)
+        new = (param if isinstance(param, nn.Parameter)
+               else nn.Parameter(param, requires_grad=self.sharded_param.requires_grad))
         for p in self.tie.params:  # the calls a tied parameter is shared by keep sharing it
             p.sharded_param = new
             p.register(unsharded=False)
@@ -206,11 +216,14 @@ class ShardedParam:
     def pick_up_replacement(self, managed: set[int]) -> None:
         """Shard a parameter registered in place of the sharded one before the first forward (e.g. ``model.w =
         nn.Parameter(f(a.weight, b.weight))`` once ``a`` and ``b`` are materialised), as torch's FSDP2 does at lazy
-        init: a DTensor with the parameter's layout is taken as is, a full tensor of its shape is cut to this rank's part."""
+        init. A DTensor with the parameter's layout is taken as is; a full tensor of its shape is cut to this rank's
+        part."""
         module, name = self.uses[0]
         current = module._parameters.get(name)
-        if current is None or current is self.sharded_param or current is self.unsharded_param or self.tie.params[0] is not self:
-            return  # not replaced (unsharded: an explicit unshard() before the first forward); tied: the first call's decides
+        if (current is None or current is self.sharded_param or current is self.unsharded_param
+                or self.tie.params[0] is not self):
+            # not replaced (unsharded: an explicit unshard() before the first forward); tied: the first call's decides
+            return
         if id(current) in managed:
             return  # another sharded parameter (a tie made after sharding): refused later
         plain = self.mesh_layout.tp_spec is None
@@ -232,8 +245,9 @@ class ShardedParam:
     def check_materialized(self) -> None:
         if self.local_shard.is_meta:
             raise RuntimeError(
-                f"parameter {self.fqn!r} is still on the meta device at the first forward: call model.to_empty(device=...) "
-                "and initialise the parameters (e.g. model.reset_parameters()) after fully_shard and before running forward"
+                f"parameter {self.fqn!r} is still on the meta device at the first forward: call "
+                "model.to_empty(device=...) and initialise the parameters (e.g. model.reset_parameters()) after "
+                "fully_shard and before running forward"
             )
 
     # -- unsharded side ------------------------------------------------------------
@@ -307,7 +321,8 @@ class ShardedParam:
                 f"fully_shard: parameter {self.fqn!r} is a {type(local).__name__}, a tensor subclass without "
                 "fsdp_pre_all_gather / fsdp_post_all_gather at its all-gather: gathering it would silently give a "
                 "plain tensor. Define both (torch's FSDP2 all-gather extension contract) on its class, or on its local "
-                "tensor (param._local_tensor, after to_empty()) before the first forward; or keep it out with ignored_params."
+                "tensor (param._local_tensor, after to_empty()) before the first forward; or keep it out with "
+                "ignored_params."
             )
         if ext == self.extension:
             return False
@@ -412,10 +427,10 @@ class SelfGather:
 
 
 def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> bool:
-    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set it,
-    then run the sharded parameter's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: autograd never
-    reaches the sharded parameter, so this is where its gradient is accumulated). As in torch's FSDP2, each parameter's
-    hooks run once its own gradient is in ``.grad``, before the next parameter's is.
+    """Add each reduced part (a parameter's local rows, any layout of the right size) to its sharded gradient, or set
+    it, then run the sharded parameter's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``: autograd
+    never reaches the sharded parameter, so this is where its gradient is accumulated). As in torch's FSDP2, each
+    parameter's hooks run once its own gradient is in ``.grad``, before the next parameter's is.
 
     Offloaded gradients are cast where the part is (the device), then moved to the host: without blocking, into pinned
     memory, where the policy pins and nothing on the host reads them before the end of backward (no gradient to add to,

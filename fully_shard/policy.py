@@ -41,7 +41,8 @@ class MixedPrecisionPolicy:
             if value is None:
                 continue
             if not isinstance(value, torch.dtype):
-                hint = f" (torch.{value})" if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype) else ""
+                hint = (f" (torch.{value})" if isinstance(value, str)
+                        and isinstance(getattr(torch, value, None), torch.dtype) else "")
                 raise TypeError(
                     f"MixedPrecisionPolicy: {name} must be a torch.dtype or None, got "
                     f"{type(value).__name__} {value!r}; pass e.g. torch.bfloat16{hint}"

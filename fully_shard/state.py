@@ -125,8 +125,9 @@ class RootContext:
             for state in self.states:
                 group = state.group
                 if group is not None and (group.grad_state is not GradState.NONE or group.has_unsharded_grads()):
-                    # inputs needed no gradient, or params unused; or gradients that arrived after this group's post-backward
-                    # ran: a backward over part of the graph (a chunked loss) settles every group, then a later one reaches it
+                    # inputs needed no gradient, or params unused; or gradients that arrived after this group's
+                    # post-backward ran: a backward over part of the graph (a chunked loss) settles every group, then a
+                    # later one reaches it
                     if group.grad_state is GradState.AT_END:
                         group.move_grads(GradState.DUE)  # the end has come: Note [same collectives everywhere]
                     state.post_backward(self)
@@ -175,7 +176,8 @@ class FSDPState:
     """Hooks and phases for the group of one ``fully_shard`` call over ``modules``."""
 
     def __init__(
-        self, modules: tuple[nn.Module, ...], group: ParamGroup | None, device: torch.device, reshard_after_forward: bool | None,
+        self, modules: tuple[nn.Module, ...], group: ParamGroup | None, device: torch.device,
+        reshard_after_forward: bool | None,
         post_forward_ranks: dict[int, Ranks], mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter],
     ) -> None:
         self.modules = modules
@@ -183,7 +185,8 @@ class FSDPState:
         self.group = group
         self.device = device
         self.reshard_after_forward = reshard_after_forward  # None: decided at lazy init (False for the root)
-        self.post_forward_ranks = post_forward_ranks  # reshard_after_forward=k: this rank's k-rank group, by id(MeshInfo)
+        # reshard_after_forward=k: this rank's k-rank group, by id(MeshInfo)
+        self.post_forward_ranks = post_forward_ranks
         self.is_root = False  # decided at lazy init
         self.ctx: RootContext | None = None  # set at lazy init: ``lazy_init()`` returns it
         self.training_state = TrainingState.IDLE
@@ -207,7 +210,8 @@ class FSDPState:
     def _name(self) -> str:
         """Its module(s) for messages: by fully-qualified name once the root is known."""
         cls = ", ".join(type(m).__name__.removeprefix("FSDP") for m in self.modules)
-        return cls if self.fqn is None else f"the root module ({cls})" if self.fqn == "" else f"module {self.fqn!r} ({cls})"
+        return (cls if self.fqn is None else f"the root module ({cls})" if self.fqn == ""
+                else f"module {self.fqn!r} ({cls})")
 
     # -- hooks -----------------------------------------------------------------------
 
@@ -274,9 +278,9 @@ class FSDPState:
                 if state is None or state in names:
                     continue
                 if state.ctx is not None:
-                    raise RuntimeError(f"fully_shard: the module {name!r} inside {type(root_module).__name__} already ran forward "
-                                       "on its own, which made it a root. Run forward through the outermost fully_shard module "
-                                       "first (call fully_shard on the model last).")
+                    raise RuntimeError(f"fully_shard: the module {name!r} inside {type(root_module).__name__} already "
+                                       "ran forward on its own, which made it a root. Run forward through the "
+                                       "outermost fully_shard module first (call fully_shard on the model last).")
                 names[state] = name
         ctx = RootContext(list(names), self.shared_streams or Streams(self.device))
         for state, prefix in names.items():
@@ -313,7 +317,8 @@ class FSDPState:
         mine = set(self.modules)
         outer: nn.Module | None = None
         for obj in callers_self():
-            if isinstance(obj, nn.Module) and obj not in mine and obj is not outer and any(m in mine for m in obj.modules()):
+            if (isinstance(obj, nn.Module) and obj not in mine and obj is not outer
+                    and any(m in mine for m in obj.modules())):
                 outer = obj
         if outer is None:
             return
@@ -326,16 +331,18 @@ class FSDPState:
                 known.update(id(p) for p in state.ignored_params)
                 for p in state.group.params if state.group is not None else ():
                     known.update((id(p.sharded_param), id(p.unsharded_param)))
-        loose = [n for n, p in outer.named_parameters() if p.requires_grad and id(p) not in known and not isinstance(p, DTensor)]
+        loose = [n for n, p in outer.named_parameters() if p.requires_grad and id(p) not in known
+                 and not isinstance(p, DTensor)]
         if loose:
             shown = ", ".join(repr(n) for n in loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
             where = next(n for n, m in outer.named_modules() if m in mine)
             cls = type(self.modules[0]).__name__.removeprefix("FSDP")
-            raise RuntimeError(f"fully_shard: the sharded module {where!r} ({cls}) runs inside {type(outer).__name__}, which is "
-                               f"not sharded but has trainable parameters fully_shard does not manage: {shown}. Their gradients "
-                               "would never be averaged across ranks, so every rank would train its own copy. Call fully_shard on "
-                               f"the {type(outer).__name__} too, after its blocks (e.g. `fully_shard(model)` last); parameters "
-                               "synchronised by other means go in that call's ignored_params.")
+            raise RuntimeError(f"fully_shard: the sharded module {where!r} ({cls}) runs inside {type(outer).__name__}, "
+                               "which is not sharded but has trainable parameters fully_shard does not manage: "
+                               f"{shown}. Their gradients would never be averaged across ranks, so every rank would "
+                               f"train its own copy. Call fully_shard on the {type(outer).__name__} too, after its "
+                               "blocks (e.g. `fully_shard(model)` last); parameters synchronised by other means go in "
+                               "that call's ignored_params.")
 
     def _check_ignored(self, states: list[FSDPState]) -> None:
         """Refuse an ignored tensor that is no module's parameter (e.g. an EMA copy of one): it leaves nothing out of
@@ -355,10 +362,12 @@ class FSDPState:
             return
         calls = [s._name() for s in states if any(id(t) in left for t in s.ignored_params)]
         buffers = {id(b): n for m in self.modules for n, b in m.named_buffers(remove_duplicate=False)}
-        shown = "; ".join(f"a {type(t).__name__} of shape {tuple(t.shape)}, {t.dtype}{_known_as(t, buffers)}" for t in left.values())
-        raise ValueError(f"fully_shard: ignored_params of the call on {', '.join(calls[:3])}{' ...' if len(calls) > 3 else ''} holds "
-                         f"{len(left)} tensor(s) that are not a parameter of any module: {shown}. ignored_params keeps a parameter "
-                         "out of sharding only when it holds that very object: a copy of one (an EMA or state-dict copy) or a "
+        shown = "; ".join(f"a {type(t).__name__} of shape {tuple(t.shape)}, {t.dtype}{_known_as(t, buffers)}"
+                          for t in left.values())
+        raise ValueError("fully_shard: ignored_params of the call on "
+                         f"{', '.join(calls[:3])}{' ...' if len(calls) > 3 else ''} holds {len(left)} tensor(s) that "
+                         f"are not a parameter of any module: {shown}. ignored_params keeps a parameter out of "
+                         "sharding only when it holds that very object: a copy of one (an EMA or state-dict copy) or a "
                          "buffer leaves everything sharded. Pass the module's own parameters, e.g. "
                          "ignored_params={model.norm.weight}, or drop these from the set.")
 
@@ -424,23 +433,26 @@ class FSDPState:
         return args, kwargs
 
     def _check_registered_params(self, ctx: RootContext) -> None:
-        """Refuse a parameter replaced after fully_shard (e.g. weights tied afterwards): fully_shard reduces the one it registered."""
+        """Refuse a parameter replaced after fully_shard (e.g. weights tied afterwards), since fully_shard reduces the
+        one it registered."""
         for state in ctx.states:
             for p in state.group.params if state.group is not None else ():
                 for module, name in p.uses:
                     now = module._parameters.get(name)
-                    if now is not p.sharded_param and all(now is not q.unsharded_param for q in p.tie.params):  # a module in 2 calls
+                    # a module in 2 calls
+                    if now is not p.sharded_param and all(now is not q.unsharded_param for q in p.tie.params):
                         self._raise_replaced(p.fqn, module, name, now)
 
     def _raise_replaced(self, fqn: str, module: nn.Module, name: str, now: Any) -> None:
         root = self.modules[0]
         where = next((f"{m_name}.{name}".lstrip(".") for m_name, m in root.named_modules() if m is module), fqn)
         new = next((n for n, q in root.named_parameters(remove_duplicate=False) if q is now and n != where), None)
-        what = f"the parameter {new!r}" if new is not None else f"a {type(now).__name__} that is not a parameter of the model"
-        raise RuntimeError(f"fully_shard: parameter {where!r} was replaced after fully_shard by {what} (e.g. weights tied "
-                           f"afterwards: `model.{where} = model.{new or '...'}`). fully_shard gathers and reduces the parameter it "
-                           "registered, so training would silently ignore the change. Tie or replace parameters before calling "
-                           "fully_shard.")
+        what = (f"the parameter {new!r}" if new is not None
+                else f"a {type(now).__name__} that is not a parameter of the model")
+        raise RuntimeError(f"fully_shard: parameter {where!r} was replaced after fully_shard by {what} (e.g. weights "
+                           f"tied afterwards: `model.{where} = model.{new or '...'}`). fully_shard gathers and reduces "
+                           "the parameter it registered, so training would silently ignore the change. Tie or replace "
+                           "parameters before calling fully_shard.")
 
     def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
         """Close the passes still open (a member the model's forward skipped: they end with the root's, innermost
@@ -463,26 +475,30 @@ class FSDPState:
         return output
 
     def _agree_on_skipped(self, pairs: list[tuple[FSDPState, ParamGroup, Seen]]) -> None:
-        """reduce_scatter_unused_params: a group gathered but skipped on some ranks reduces zeros there at the end of backward, elsewhere
-        when its backward ends: the reduce-scatters would pair up wrongly. One small all-reduce per mesh finds such groups (and those run
-        nowhere that hold gradients accumulated with sync off); every rank reduces them at the end.
+        """reduce_scatter_unused_params: a group gathered but skipped on some ranks reduces zeros there at the end of
+        backward, elsewhere when its backward ends: the reduce-scatters would pair up wrongly. One small all-reduce per
+        mesh finds such groups (and those run nowhere that hold gradients accumulated with sync off); every rank reduces
+        them at the end.
 
         Note [same collectives everywhere]: whether a group reduces, and when, must be decided alike on every rank, so
         the decision reads only the all-reduced table."""
         holds = [any(p.accumulated_grad is not None for p in g.params) for _, g, _ in pairs]
         rows = [[c is case or (c is Seen.HELD and h) for c in Seen] for (_, _, case), h in zip(pairs, holds)]
         seen = torch.tensor(rows, dtype=torch.float, device=self.device)  # a row per group, columns Seen
-        infos = {id(i): i for _, g, _ in pairs for i in (g.mesh_info, *(p.mesh_info for p in g.params))}  # shard_placement_fn's too
+        # shard_placement_fn's too
+        infos = {id(i): i for _, g, _ in pairs for i in (g.mesh_info, *(p.mesh_info for p in g.params))}
         for ranks in (r for i in infos.values() for r in (i.shard, i.replicate) if r is not None and r.size > 1):
             all_reduce(seen, ranks.group, torch.distributed.ReduceOp.MAX, "exchange of the modules skipped per rank")
         for (state, group, _), row in zip(pairs, seen.tolist()):
             untouched, skipped, ran, held = (bool(row[c]) for c in Seen)  # on some rank
-            if (untouched and (skipped or ran)) or (skipped and ran and state.reshard_after_forward and group.options.unshard_in_backward):
-                how = "was not all-gathered on the others" if untouched else "resharded after it: its backward all-gathers there only"
-                raise RuntimeError(f"fully_shard: {state._name()} ran forward on some ranks only and {how}. A module that may skip "
-                                   "forward on a rank (mixture-of-experts routing) must be gathered on every rank: list it in "
-                                   "set_modules_to_forward_prefetch of a module that runs everywhere (or call its unshard()), "
-                                   "and give it reshard_after_forward=False.")
+            if (untouched and (skipped or ran)) or (skipped and ran and state.reshard_after_forward
+                                                    and group.options.unshard_in_backward):
+                how = ("was not all-gathered on the others" if untouched
+                       else "resharded after it: its backward all-gathers there only")
+                raise RuntimeError(f"fully_shard: {state._name()} ran forward on some ranks only and {how}. A module "
+                                   "that may skip forward on a rank (mixture-of-experts routing) must be gathered on "
+                                   "every rank: list it in set_modules_to_forward_prefetch of a module that runs "
+                                   "everywhere (or call its unshard()), and give it reshard_after_forward=False.")
             at_end = (skipped or untouched) and (ran or held)  # run nowhere, none held: no gradient
             if at_end != (group.grad_state is GradState.AT_END):  # this forward's agreement differs from the last one's
                 group.move_grads(GradState.AT_END if at_end else GradState.DUE)
@@ -508,10 +524,11 @@ class FSDPState:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         if torch.is_grad_enabled():  # only a backward with create_graph=True records a graph
-            raise RuntimeError(f"fully_shard: a backward with create_graph=True reached {self._name()} (double backward, e.g. a "
-                               "gradient penalty via torch.autograd.grad(..., create_graph=True)). fully_shard frees the full "
-                               "parameters after each group's backward, and the second-order graph would read them later: it is "
-                               "not supported. Compute the higher-order term outside the sharded modules, or without create_graph.")
+            raise RuntimeError(f"fully_shard: a backward with create_graph=True reached {self._name()} (double "
+                               "backward, e.g. a gradient penalty via torch.autograd.grad(..., create_graph=True)). "
+                               "fully_shard frees the full parameters after each group's backward, and the "
+                               "second-order graph would read them later: it is not supported. Compute the "
+                               "higher-order term outside the sharded modules, or without create_graph.")
         with record_function("fully_shard::pre_backward"):
             ctx.queue_finalize()
             self.move_to(TrainingState.PRE_BACKWARD)
@@ -554,8 +571,8 @@ class FSDPState:
         if self.ctx is None:
             return  # no forward has run: nothing to reset
         if not self.is_root:
-            raise RuntimeError("reset_iter_state() must be called on the root module (the one fully_shard was applied to last, "
-                               "whose forward ran first)")
+            raise RuntimeError("reset_iter_state() must be called on the root module (the one fully_shard was applied "
+                               "to last, whose forward ran first)")
         self.ctx.reset()
 
     # -- tensor hooks ----------------------------------------------------------------------

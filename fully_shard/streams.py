@@ -38,7 +38,8 @@ class _TorchBackend:
         return torch.Stream(device=device)
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return cast(contextlib.AbstractContextManager[Any], stream)  # torch.Stream is a context manager that makes it current
+        # torch.Stream is a context manager that makes it current
+        return cast(contextlib.AbstractContextManager[Any], stream)
 
     def wait_stream(self, waiter: Any, waited: Any) -> None:
         waiter.wait_stream(waited)
