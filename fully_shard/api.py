@@ -15,7 +15,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .comm import PoolComm
 from .group import GroupOptions, ParamGroup
 from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
 from .param import OWNER_ATTR, ShardedParam, param_dtypes
@@ -158,7 +157,10 @@ def fully_shard(
     check_options(mp_policy, offload_policy, reshard_after_forward)
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
     device = mesh_info.device
-    _warn_gloo_on_accelerator(mesh_info.shard.group, device)
+    if has_streams(device):  # an accelerator: its process group may be gloo
+        from .tools.pools import warn_gloo_on_accelerator
+
+        warn_gloo_on_accelerator(mesh_info.shard.group, device)
     ignored = set(ignored_params or ())
     label = ", ".join(type(m).__name__ for m in modules)
     if odd := [x for x in ignored if not isinstance(x, torch.Tensor)]:
@@ -257,27 +259,6 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
             raise ShardedUsageError(f"fully_shard was already called on this {type(m).__name__}; "
                                     "call it once per module")
     return modules
-
-
-def _paths(module: nn.Module) -> dict[int, str]:
-    """id(module) -> its name in the outermost live model holding ``module`` (through parents' ``_modules``, found by a
-    scan of the garbage collector's live objects): for error messages only."""
-    import gc
-
-    parents: dict[int, nn.Module] = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), nn.Module):
-            for child in obj._modules.values():
-                if child is not None:
-                    parents.setdefault(id(child), obj)
-    seen = {id(module)}
-    while id(module) in parents and id(parents[id(module)]) not in seen:
-        module = parents[id(module)]
-        seen.add(id(module))
-    paths: dict[int, str] = {}
-    for name, m in module.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), name)
-    return paths
 
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
@@ -601,8 +582,10 @@ class FSDPModule:
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        from .tools.pools import check_symm_buffers
+
         def change(group: ParamGroup) -> GroupOptions:
-            _check_symm_buffers(self, max_input_buffers, getattr(group.options.reduce_scatter_comm, "symmetric", False))
+            check_symm_buffers(self, max_input_buffers, getattr(group.options.reduce_scatter_comm, "symmetric", False))
             return replace(group.options, max_input_buffers=max_input_buffers)
 
         self._update(recurse, change)
@@ -632,14 +615,9 @@ class FSDPModule:
             FSDPTransformerBlock(...)
             >>> block.set_allocate_memory_from_process_group_for_comm(True)  # each module: not recursive, as in torch
         """
-        def change(group: ParamGroup) -> GroupOptions:
-            _check_own_comms(self, "set_allocate_memory_from_process_group_for_comm", group, False)
-            rs_group = group.options.reduce_scatter_groups.get(id(group.mesh_info), group.mesh_info.shard.group)
-            all_gather = PoolComm(group.mesh_info.shard.group) if enable else None
-            reduce_scatter = PoolComm(rs_group) if enable else None
-            return replace(group.options, all_gather_comm=all_gather, reduce_scatter_comm=reduce_scatter)
+        from .tools.pools import process_group_pool
 
-        self._update(False, change)
+        self._update(False, lambda group: process_group_pool(self, group, enable))
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Allocate this module's all-gather output (and, with force-sum reduction, reduce-scatter buffers) from
@@ -652,60 +630,9 @@ class FSDPModule:
             FSDPTransformerBlock(...)
             >>> block.set_symm_mem_for_comm()  # an NCCL process group on GPUs  # doctest: +SKIP
         """
-        def change(group: ParamGroup) -> GroupOptions:
-            pg, device, o = group.mesh_info.shard.group, group.device, group.options
-            found = _backend_name(pg, device)
-            if found.lower() != backend.lower():
-                raise NotImplementedError(f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory "
-                                          f"needs a {backend} process group on an accelerator, but this module has "
-                                          f"{found} on {device}. It changes where buffers live, not the results: call "
-                                          f"it only when running on {backend}.")
-            _check_own_comms(self, "set_symm_mem_for_comm", group, True)
-            _check_symm_buffers(self, o.max_input_buffers, o.force_sum_reduction)
-            all_gather, reduce_scatter = PoolComm(pg, backend), o.reduce_scatter_comm
-            if o.force_sum_reduction:  # symmetric reduce-scatters only sum (NCCL 2.29), as in torch
-                reduce_scatter = PoolComm(o.reduce_scatter_groups.get(id(group.mesh_info), pg), backend)
-            return replace(o, all_gather_comm=all_gather, reduce_scatter_comm=reduce_scatter)
+        from .tools.pools import symm_mem_pool
 
-        self._update(False, change)
-
-
-def _backend_name(pg: dist.ProcessGroup, device: torch.device) -> str:
-    """The backend ``pg`` runs ``device``'s tensors with (gloo for a gloo group carrying accelerator tensors), or
-    "no accelerator" for a device without streams."""
-    return pg._get_backend(device).name() if has_streams(device) else "no accelerator"
-
-
-def _warn_gloo_on_accelerator(pg: dist.ProcessGroup, device: torch.device) -> None:
-    """Said at the call, because the crash it foretells leaves no traceback: fully_shard's collectives run on gloo with
-    accelerator tensors (gloo copies through the host), torch's functional all-gather does not (pytorch/pytorch#152645:
-    no accelerator path in gloo's allgather_into_tensor_coalesced; SIGSEGV on every rank in the first GPU run)."""
-    try:
-        if _backend_name(pg, device) != "gloo":
-            return
-    except RuntimeError:  # no backend registered for this device (a fake group, as the planner's)
-        return
-    warnings.warn(f"fully_shard: the mesh's process group carries {device} tensors over gloo. fully_shard trains there "
-                  "(gloo copies them through the host, slowly), but DTensor.full_tensor(), "
-                  "redistribute(...Replicate()) and full state dicts of these parameters kill the process with SIGSEGV "
-                  "and no traceback (torch's gloo, pytorch/pytorch#152645). Use NCCL with one rank per device: "
-                  "init_process_group('nccl'), and torchrun --nproc-per-node at most the device count.", stacklevel=3)
-
-
-def _check_own_comms(module: FSDPModule, method: str, group: ParamGroup, symmetric: bool) -> None:
-    """Refuse to replace a user's Comm (``set_custom_*``) or the other kind of pool, as torch does."""
-    for comm in (group.all_gather_comm, group.reduce_scatter_comm):
-        if comm is not None and getattr(comm, "symmetric", None) is not symmetric:
-            raise ShardedUsageError(f"{type(module).__name__}.{method}: this module's Comm {type(comm).__name__} "
-                                    "(set_custom_*, or the other of set_symm_mem_for_comm / set_allocate_memory_...) "
-                                    "allocates its buffers itself: call only one of these, as in torch.")
-
-
-def _check_symm_buffers(module: FSDPModule, max_input_buffers: int, symmetric: bool) -> None:
-    if max_input_buffers > 1 and symmetric:  # torch's rule: the symmetric pool would keep one segment per input
-        raise ValueError(f"{type(module).__name__}: set_reduce_scatter_max_input_buffers({max_input_buffers}) is not "
-                         "supported with a symmetric-memory reduce-scatter (set_symm_mem_for_comm with force-sum "
-                         "reduction), as in torch: keep 1.")
+        self._update(False, lambda group: symm_mem_pool(self, group, backend))
 
 
 def _check_comm(comm: Any, method: str) -> None:
@@ -732,18 +659,12 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 def _states_of(caller: nn.Module | None, modules: list[Any], method: str) -> list[FSDPState]:
     for i, m in enumerate(modules):
         if not isinstance(m, FSDPModule):
-            name = repr(type(m).__name__) if caller is None else _name_in_model(caller, m)
+            from .tools.checks import name_in_model
+
+            name = repr(type(m).__name__) if caller is None else name_in_model(caller, m)
             raise ValueError(f"{method} expects modules sharded by fully_shard, got {name} ({type(m).__name__}, item "
                              f"{i} of the list). Pass modules fully_shard was called on, e.g. model.layers[i + 1].")
     return [state_of(m) for m in modules]
-
-
-def _name_in_model(anchor: nn.Module, module: Any) -> str:
-    """``module``'s fully-qualified name in the outermost model that holds ``anchor``."""
-    name = _paths(anchor).get(id(module))
-    if name is None:
-        return repr(type(module).__name__)
-    return repr(name) if name else "the root module"
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

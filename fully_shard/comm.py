@@ -112,13 +112,10 @@ def _wait(work: dist.Work, what: str) -> None:
         if not (monitor.hint_printed or monitor.checks):
             # once per process, on stderr: an abort may follow that no exception message survives
             monitor.hint_printed = True
-            print(
-                "fully_shard: a collective failed. If the ranks ran different modules (an exception or a skipped block "
-                f"on some ranks), rerun with the environment variable {DEBUG_ENV}=1: every collective is then checked "
-                "across ranks first and the first divergence raises CollectiveMismatchError naming it (see "
-                "docs/troubleshooting.md).",
-                file=sys.stderr, flush=True,
-            )
+            print("fully_shard: a collective failed. If the ranks ran different modules (an exception or a skipped "
+                  f"block on some ranks), rerun with the environment variable {DEBUG_ENV}=1: every collective is then "
+                  "checked across ranks first and the first divergence raises CollectiveMismatchError naming it (see "
+                  "docs/troubleshooting.md).", file=sys.stderr, flush=True)
         raise CollectiveError(
             f"fully_shard: the {what} did not complete: {e}\n"
             "Another rank has probably failed or stopped issuing the same collectives; this rank waits for it up to "

@@ -49,10 +49,8 @@ def _ranks(mesh: DeviceMesh, dim: Any) -> Ranks:
 def default_mesh() -> DeviceMesh:
     """A 1-D mesh over the default process group on the default device type."""
     if not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard needs torch.distributed to be initialised: call "
-            "torch.distributed.init_process_group() first, or pass mesh=init_device_mesh(...)"
-        )
+        raise RuntimeError("fully_shard needs torch.distributed to be initialised: call "
+                           "torch.distributed.init_process_group() first, or pass mesh=init_device_mesh(...)")
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     device_type = accelerator.type if accelerator is not None else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
@@ -75,16 +73,11 @@ def reshard_setting(value: bool | int | None, n: int, where: str = "") -> bool |
     if value is None or isinstance(value, bool):
         return value
     if not (1 <= value <= n and n % value == 0):
-        raise ValueError(
-            f"reshard_after_forward={value} must be a divisor of the shard group size {n}{where} "
-            f"(e.g. the number of ranks per node; {n} means True, 1 means False); or pass True or False"
-        )
+        raise ValueError(f"reshard_after_forward={value} must be a divisor of the shard group size {n}{where} "
+                         f"(e.g. the number of ranks per node; {n} means True, 1 means False); or pass True or False")
     if value == 1:
-        warnings.warn(
-            "reshard_after_forward=1 (int) reshards to groups of 1 rank, which keeps the full parameters after forward "
-            "like reshard_after_forward=False; pass True to free them",
-            stacklevel=4,
-        )
+        warnings.warn("reshard_after_forward=1 (int) reshards to groups of 1 rank, which keeps the full parameters "
+                      "after forward like reshard_after_forward=False; pass True to free them", stacklevel=4)
         return False
     return True if value == n else value
 
@@ -162,17 +155,13 @@ def mesh_info_for(mesh: DeviceMesh | None, dp_mesh_dims: DataParallelMeshDims | 
         names = mesh.mesh_dim_names or ()
         model_parallel = [n for n in names if n in _MODEL_PARALLEL_DIM_NAMES]
         if model_parallel:
-            raise ValueError(
-                f"fully_shard reads a 2-D mesh as HSDP (replicate, shard), but this mesh's dims are "
-                f"named {names} and {model_parallel[0]!r} is not a data-parallel dim. Pass the "
-                "data-parallel part, e.g. mesh['dp'] (FSDP) or mesh['dp_replicate', 'dp_shard'] (HSDP)"
-            )
+            raise ValueError("fully_shard reads a 2-D mesh as HSDP (replicate, shard), but this mesh's dims are named "
+                             f"{names} and {model_parallel[0]!r} is not a data-parallel dim. Pass the data-parallel "
+                             "part, e.g. mesh['dp'] (FSDP) or mesh['dp_replicate', 'dp_shard'] (HSDP)")
         return MeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
-    raise ValueError(
-        f"fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got a "
-        f"{mesh.ndim}-D mesh with shape {tuple(mesh.shape)} and dim names {mesh.mesh_dim_names}; "
-        "pass the data-parallel sub-mesh, e.g. mesh['dp']"
-    )
+    raise ValueError("fully_shard expects a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard), got a "
+                     f"{mesh.ndim}-D mesh with shape {tuple(mesh.shape)} and dim names {mesh.mesh_dim_names}; pass the "
+                     "data-parallel sub-mesh, e.g. mesh['dp']")
 
 
 def mesh_info_of(obj: Any, fqn: str, made: list[MeshInfo]) -> MeshInfo:
@@ -182,10 +171,8 @@ def mesh_info_of(obj: Any, fqn: str, made: list[MeshInfo]) -> MeshInfo:
     dims = getattr(obj, "dp_mesh_dims", None)
     mesh = obj if isinstance(obj, DeviceMesh) else getattr(obj, "mesh" if dims is None else "spmd_mesh", None)
     if not isinstance(mesh, DeviceMesh):
-        raise ValueError(
-            f"shard_placement_fn gave parameter {fqn!r} a ShardPlacementResult whose mesh_info "
-            f"({type(obj).__name__}) holds no DeviceMesh: pass torch's FSDPMeshInfo or a DeviceMesh"
-        )
+        raise ValueError(f"shard_placement_fn gave parameter {fqn!r} a ShardPlacementResult whose mesh_info "
+                         f"({type(obj).__name__}) holds no DeviceMesh: pass torch's FSDPMeshInfo or a DeviceMesh")
     info = mesh_info_for(mesh, dims)
     keys = [(i.shard_mesh_dim, i.shard.group, i.replicate and i.replicate.group, i.spmd_mesh) for i in (*made, info)]
     same = [m for m, k in zip(made, keys) if k == keys[-1]]
@@ -203,19 +190,15 @@ def _spmd_mesh_info(mesh: DeviceMesh, dims: Any) -> MeshInfo:
         dims = DataParallelMeshDims(shard=dims.shard, replicate=dims.replicate)
     names = mesh.mesh_dim_names
     if names is None:
-        raise ValueError(
-            "dp_mesh_dims names mesh dims, but this mesh has no mesh_dim_names: build it with init_device_mesh(..., "
-            "mesh_dim_names=...)"
-        )
+        raise ValueError("dp_mesh_dims names mesh dims, but this mesh has no mesh_dim_names: build it with "
+                         "init_device_mesh(..., mesh_dim_names=...)")
     for name in dims.shard_names + dims.replicate_names:
         if name not in names:
             raise ValueError(f"dp_mesh_dims names the mesh dim {name!r}, which is not one of this mesh's dims {names}")
     shard, rep = (tuple(names.index(n) for n in role) for role in (dims.shard_names, dims.replicate_names))
     if shard and shard != tuple(range(shard[0], shard[0] + len(shard))):
-        raise ValueError(
-            f"dp_mesh_dims: the shard dims {dims.shard_names} must be adjacent dims of the mesh {names}, in its "
-            "order, to be flattened into one (as torch's FSDP2 requires too)"
-        )
+        raise ValueError(f"dp_mesh_dims: the shard dims {dims.shard_names} must be adjacent dims of the mesh {names}, "
+                         "in its order, to be flattened into one (as torch's FSDP2 requires too)")
 
     def flat(role: tuple[str, ...]) -> DeviceMesh:  # several dims are flattened into one, as torch does
         return mesh[role[0]] if len(role) == 1 else mesh[role]._flatten("_".join(role))

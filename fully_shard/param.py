@@ -104,11 +104,10 @@ class ShardedParam:
         if _is_subclass(data):  # keeps its type in the shard: its own ops (slice, clone) make it
             local = src.to(target).clone()
             if type(local) is not type(data):
-                raise NotImplementedError(
-                    f"fully_shard: parameter {fqn!r} is a {type(data).__name__}, but slicing and "
-                    f"cloning it gives a {type(local).__name__}: the subclass must keep its type "
-                    "under aten.slice and aten.clone to be sharded. Keep it out with ignored_params."
-                )
+                raise NotImplementedError(f"fully_shard: parameter {fqn!r} is a {type(data).__name__}, but slicing and "
+                                          f"cloning it gives a {type(local).__name__}: the subclass must keep its type "
+                                          "under aten.slice and aten.clone to be sharded. "
+                                          "Keep it out with ignored_params.")
         else:
             local = torch.empty(src.shape, dtype=self.dtype, device=target, pin_memory=pin)  # this rank's part
             if not param.is_meta:
@@ -188,10 +187,8 @@ class ShardedParam:
     def full_to_sharded(self, full: torch.Tensor, key: str) -> DTensor:
         """A full tensor loaded into this parameter, as this rank's shard (a DTensor)."""
         if self.mesh_layout.tp_spec is not None:
-            raise ValueError(
-                f"load_state_dict: {key!r} is a tensor-parallel parameter; load it as a DTensor "
-                "(e.g. through torch.distributed.checkpoint), not as a full tensor"
-            )
+            raise ValueError(f"load_state_dict: {key!r} is a tensor-parallel parameter; load it as a DTensor "
+                             "(e.g. through torch.distributed.checkpoint), not as a full tensor")
         if full.shape != self.size:
             raise ValueError(f"load_state_dict: {key!r} has shape {tuple(full.shape)}, the parameter "
                              f"{tuple(self.size)}")
@@ -201,11 +198,9 @@ class ShardedParam:
     def adopt(self, param: DTensor, what: str = "load_state_dict(assign=True)") -> None:
         """``what`` (``load_state_dict(assign=True)``) registered ``param``: make it the sharded one."""
         if param.placements != self._spec.placements or param.shape != self.sharded_param.shape:
-            raise ValueError(
-                f"{what}: {self.fqn!r} got a DTensor with placements {param.placements} and shape "
-                f"{tuple(param.shape)}; fully_shard laid it out as {self._spec.placements} with shape "
-                f"{tuple(self.sharded_param.shape)}"
-            )
+            raise ValueError(f"{what}: {self.fqn!r} got a DTensor with placements {param.placements} and shape "
+                             f"{tuple(param.shape)}; fully_shard laid it out as {self._spec.placements} with shape "
+                             f"{tuple(self.sharded_param.shape)}")
         new = (param if isinstance(param, nn.Parameter)
                else nn.Parameter(param, requires_grad=self.sharded_param.requires_grad))
         for p in self.tie.params:  # the calls a tied parameter is shared by keep sharing it
@@ -244,11 +239,9 @@ class ShardedParam:
 
     def check_materialized(self) -> None:
         if self.local_shard.is_meta:
-            raise RuntimeError(
-                f"parameter {self.fqn!r} is still on the meta device at the first forward: call "
-                "model.to_empty(device=...) and initialise the parameters (e.g. model.reset_parameters()) after "
-                "fully_shard and before running forward"
-            )
+            raise RuntimeError(f"parameter {self.fqn!r} is still on the meta device at the first forward: call "
+                               "model.to_empty(device=...) and initialise the parameters (e.g. "
+                               "model.reset_parameters()) after fully_shard and before running forward")
 
     # -- unsharded side ------------------------------------------------------------
 
@@ -277,10 +270,9 @@ class ShardedParam:
     def keep_post_forward_slice(self, k: int, index: int) -> None:
         """Keep this rank's 1/k of the padded full parameter before it is freed."""
         if self.extension:  # hooks patched on after the call, which refuses the int for those it sees (as torch)
-            raise NotImplementedError(
-                f"fully_shard: parameter {self.fqn!r} all-gathers itself (fsdp_pre_all_gather on its local tensor), "
-                "which reshard_after_forward=<int> does not support; pass True or False to its fully_shard call"
-            )
+            raise NotImplementedError(f"fully_shard: parameter {self.fqn!r} all-gathers itself (fsdp_pre_all_gather on "
+                                      "its local tensor), which reshard_after_forward=<int> does not support; pass "
+                                      "True or False to its fully_shard call")
         assert self._padded_unsharded is not None
         self.post_forward_slice = self._padded_unsharded.view(k, -1)[index].clone()
 
@@ -292,12 +284,11 @@ class ShardedParam:
         """Catch in-place changes to the full parameter, which would be lost on reshard."""
         if self.unsharded_param is not None and self.unsharded_param._version != self._unsharded_version:
             self.note_unsharded_version()
-            raise RuntimeError(
-                f"fully_shard: parameter {self.fqn!r} was modified in place while it was unsharded (between its "
-                "all-gather and its reshard, e.g. between forward and backward). The change is not written back to the "
-                "shard and would be lost. Modify parameters outside forward/backward, where they are the sharded "
-                "DTensors, e.g. `with torch.no_grad(): p.mul_(0.5)` before the next forward."
-            )
+            raise RuntimeError(f"fully_shard: parameter {self.fqn!r} was modified in place while it was unsharded "
+                               "(between its all-gather and its reshard, e.g. between forward and backward). The "
+                               "change is not written back to the shard and would be lost. Modify parameters outside "
+                               "forward/backward, where they are the sharded DTensors, e.g. `with torch.no_grad(): "
+                               "p.mul_(0.5)` before the next forward.")
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the tensor objects stay, so autograd's saved
@@ -482,8 +473,7 @@ def _has_hooks(t: torch.Tensor, fqn: str) -> bool:
     pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
     if pre != post:
         has, lacks = ("fsdp_pre_all_gather", "fsdp_post_all_gather")[:: 1 if pre else -1]
-        raise NotImplementedError(
-            f"fully_shard: the local tensor of parameter {fqn!r} (a {type(t).__name__}) has {has} but not {lacks}: "
-            "define both (torch's FSDP2 all-gather extension contract), or neither"
-        )
+        raise NotImplementedError(f"fully_shard: the local tensor of parameter {fqn!r} (a {type(t).__name__}) has "
+                                  f"{has} but not {lacks}: define both (torch's FSDP2 all-gather extension "
+                                  "contract), or neither")
     return pre

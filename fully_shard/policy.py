@@ -43,15 +43,11 @@ class MixedPrecisionPolicy:
             if not isinstance(value, torch.dtype):
                 hint = (f" (torch.{value})" if isinstance(value, str)
                         and isinstance(getattr(torch, value, None), torch.dtype) else "")
-                raise TypeError(
-                    f"MixedPrecisionPolicy: {name} must be a torch.dtype or None, got "
-                    f"{type(value).__name__} {value!r}; pass e.g. torch.bfloat16{hint}"
-                )
+                raise TypeError(f"MixedPrecisionPolicy: {name} must be a torch.dtype or None, got "
+                                f"{type(value).__name__} {value!r}; pass e.g. torch.bfloat16{hint}")
             if not value.is_floating_point:
-                raise ValueError(
-                    f"MixedPrecisionPolicy: {name} must be a floating-point dtype, got {value}; "
-                    "e.g. torch.bfloat16, torch.float16 or torch.float32"
-                )
+                raise ValueError(f"MixedPrecisionPolicy: {name} must be a floating-point dtype, got {value}; "
+                                 "e.g. torch.bfloat16, torch.float16 or torch.float32")
         _check_bool(self, "cast_forward_inputs")
 
 

@@ -27,12 +27,11 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import Ranks, all_reduce, record_function
 from .group import GradState, GroupState, ParamGroup, PendingReduce, transition
-from .param import OWNER_ATTR, ShardedParam
+from .param import ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import Streams
 
@@ -306,70 +305,11 @@ class FSDPState:
             from .tools.tied import warn_held_twice  # Note [tied parameters]
 
             warn_held_twice(self, list(names))
-        self._check_enclosing_model()
-        self._check_ignored(list(names))
+        from .tools.checks import check_enclosing_model, check_ignored  # refusals of the whole model, once
+
+        check_enclosing_model(self)
+        check_ignored(self, list(names))
         return ctx
-
-    def _check_enclosing_model(self) -> None:
-        """Refuse a root inside a model whose own trainable parameters nobody shards (the forgotten
-        ``fully_shard(model)``: each rank would train its own copy of them). The enclosing model is the outermost
-        module whose forward is running, on the Python stack."""
-        mine = set(self.modules)
-        outer: nn.Module | None = None
-        for obj in callers_self():
-            if (isinstance(obj, nn.Module) and obj not in mine and obj is not outer
-                    and any(m in mine for m in obj.modules())):
-                outer = obj
-        if outer is None:
-            return
-        known: set[int] = set()  # the parameters some fully_shard call shards or ignores, or DDP averages
-        for sub in outer.modules():
-            if isinstance(sub, DistributedDataParallel):
-                known.update(id(p) for n, p in sub.module.named_parameters() if n not in sub.parameters_to_ignore)
-            state = getattr(sub, STATE_ATTR, None)
-            if state is not None:
-                known.update(id(p) for p in state.ignored_params)
-                for p in state.group.params if state.group is not None else ():
-                    known.update((id(p.sharded_param), id(p.unsharded_param)))
-        loose = [n for n, p in outer.named_parameters() if p.requires_grad and id(p) not in known
-                 and not isinstance(p, DTensor)]
-        if loose:
-            shown = ", ".join(repr(n) for n in loose[:8]) + (f" and {len(loose) - 8} more" if len(loose) > 8 else "")
-            where = next(n for n, m in outer.named_modules() if m in mine)
-            cls = type(self.modules[0]).__name__.removeprefix("FSDP")
-            raise RuntimeError(f"fully_shard: the sharded module {where!r} ({cls}) runs inside {type(outer).__name__}, "
-                               "which is not sharded but has trainable parameters fully_shard does not manage: "
-                               f"{shown}. Their gradients would never be averaged across ranks, so every rank would "
-                               f"train its own copy. Call fully_shard on the {type(outer).__name__} too, after its "
-                               "blocks (e.g. `fully_shard(model)` last); parameters synchronised by other means go in "
-                               "that call's ignored_params.")
-
-    def _check_ignored(self, states: list[FSDPState]) -> None:
-        """Refuse an ignored tensor that is no module's parameter (e.g. an EMA copy of one): it leaves nothing out of
-        sharding. Decided here, where the whole model is known: torch's idiom passes one set to every call, so a call's
-        set also holds other calls' parameters (some replaced by the sharded ones), and other roots'."""
-        left = {id(t): t for s in states for t in s.ignored_params if OWNER_ATTR not in t.__dict__}
-        for p in (p for m in self.modules for p in m.parameters()) if left else ():
-            left.pop(id(p), None)
-        if left:  # another model's parameters, maybe: a scan of every live object (rare)
-            import gc
-
-            for obj in gc.get_objects():
-                if issubclass(type(obj), nn.Module):
-                    for p in obj._parameters.values():
-                        left.pop(id(p), None)
-        if not left:
-            return
-        calls = [s._name() for s in states if any(id(t) in left for t in s.ignored_params)]
-        buffers = {id(b): n for m in self.modules for n, b in m.named_buffers(remove_duplicate=False)}
-        shown = "; ".join(f"a {type(t).__name__} of shape {tuple(t.shape)}, {t.dtype}{_known_as(t, buffers)}"
-                          for t in left.values())
-        raise ValueError("fully_shard: ignored_params of the call on "
-                         f"{', '.join(calls[:3])}{' ...' if len(calls) > 3 else ''} holds {len(left)} tensor(s) that "
-                         f"are not a parameter of any module: {shown}. ignored_params keeps a parameter out of "
-                         "sharding only when it holds that very object: a copy of one (an EMA or state-dict copy) or a "
-                         "buffer leaves everything sharded. Pass the module's own parameters, e.g. "
-                         "ignored_params={model.norm.weight}, or drop these from the set.")
 
     # -- forward -----------------------------------------------------------------------
 
@@ -441,18 +381,9 @@ class FSDPState:
                     now = module._parameters.get(name)
                     # a module in 2 calls
                     if now is not p.sharded_param and all(now is not q.unsharded_param for q in p.tie.params):
-                        self._raise_replaced(p.fqn, module, name, now)
+                        from .tools.checks import raise_replaced
 
-    def _raise_replaced(self, fqn: str, module: nn.Module, name: str, now: Any) -> None:
-        root = self.modules[0]
-        where = next((f"{m_name}.{name}".lstrip(".") for m_name, m in root.named_modules() if m is module), fqn)
-        new = next((n for n, q in root.named_parameters(remove_duplicate=False) if q is now and n != where), None)
-        what = (f"the parameter {new!r}" if new is not None
-                else f"a {type(now).__name__} that is not a parameter of the model")
-        raise RuntimeError(f"fully_shard: parameter {where!r} was replaced after fully_shard by {what} (e.g. weights "
-                           f"tied afterwards: `model.{where} = model.{new or '...'}`). fully_shard gathers and reduces "
-                           "the parameter it registered, so training would silently ignore the change. Tie or replace "
-                           "parameters before calling fully_shard.")
+                        raise_replaced(self, p.fqn, module, name, now)
 
     def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
         """Close the passes still open (a member the model's forward skipped: they end with the root's, innermost
@@ -595,22 +526,6 @@ class FSDPState:
         ctx.queue_finalize()
         if self.group is not None:
             self.group.unshard()
-
-
-def _known_as(t: torch.Tensor, buffers: dict[int, str]) -> str:
-    """`` (the buffer 'x')``, `` (held as 'k' in a dict)`` or nothing: a name for an ignored tensor in a message (not a
-    local variable's: the stack's frames are left out)."""
-    if id(t) in buffers:
-        return f" (the buffer {buffers[id(t)]!r})"
-    import gc
-
-    frames = {id(frame.f_locals) for frame in _stack()}
-    for d in gc.get_referrers(t):
-        if type(d) is dict and id(d) not in frames:
-            key = next((k for k, v in d.items() if v is t and isinstance(k, str)), None)
-            if key is not None:
-                return f" (held as {key!r} in a dict)"
-    return ""
 
 
 def _on_grad(output: Any, fn: Callable[[], None]) -> None:

@@ -164,10 +164,11 @@ def _as_an_accelerator_with_backend(name: str | None) -> dict[str, Any]:
     import warnings
 
     import fully_shard.api as api
+    import fully_shard.tools.pools as pools
 
     backend_type = type(dist.group.WORLD._get_backend(torch.device("cpu")))
-    saved = (api.has_streams, comm.symm_mem.set_backend, backend_type.name)
-    api.has_streams = lambda device: True  # type: ignore[assignment]
+    saved = (api.has_streams, pools.has_streams, comm.symm_mem.set_backend, backend_type.name)
+    api.has_streams = pools.has_streams = lambda device: True  # type: ignore[assignment]
     comm.symm_mem.set_backend = lambda name: None  # type: ignore[assignment]
     if name is not None:
         backend_type.name = lambda self: name  # type: ignore[method-assign]
@@ -182,7 +183,7 @@ def _as_an_accelerator_with_backend(name: str | None) -> dict[str, Any]:
             out["symm"] = str(e)
         return out
     finally:
-        api.has_streams, comm.symm_mem.set_backend, backend_type.name = saved  # type: ignore[assignment, method-assign]
+        api.has_streams, pools.has_streams, comm.symm_mem.set_backend, backend_type.name = saved  # type: ignore[assignment, method-assign]
 
 
 def test_gloo_carrying_accelerator_tensors_is_named_at_the_call() -> None:
@@ -203,9 +204,10 @@ def test_gloo_carrying_accelerator_tensors_is_named_at_the_call() -> None:
 def _symm_mem_without_the_pool() -> str:
     """set_symm_mem_for_comm where the group qualifies but torch lacks symmetric memory's pool (patched away)."""
     import fully_shard.api as api
+    import fully_shard.tools.pools as pools
 
-    saved = (api.has_streams, comm.symm_mem.get_mem_pool)
-    api.has_streams = lambda device: True  # type: ignore[assignment]
+    saved = (api.has_streams, pools.has_streams, comm.symm_mem.get_mem_pool)
+    api.has_streams = pools.has_streams = lambda device: True  # type: ignore[assignment]
     del comm.symm_mem.get_mem_pool
     try:
         model = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
@@ -214,7 +216,7 @@ def _symm_mem_without_the_pool() -> str:
     except NotImplementedError as e:
         return str(e)
     finally:
-        api.has_streams, comm.symm_mem.get_mem_pool = saved  # type: ignore[assignment]
+        api.has_streams, pools.has_streams, comm.symm_mem.get_mem_pool = saved  # type: ignore[assignment]
 
 
 def test_symm_mem_without_torchs_pool_is_refused_at_the_call() -> None:
@@ -226,10 +228,11 @@ def _symm_mem_choices(force_sum: bool) -> dict[str, Any]:
     """Which buffers set_symm_mem_for_comm gives a module, past the capability check (patched:
     any device has streams, the group's own backend is named, ``set_backend`` records)."""
     import fully_shard.api as api
+    import fully_shard.tools.pools as pools
 
     backends: list[str] = []
-    saved = (api.has_streams, comm.symm_mem.set_backend)
-    api.has_streams = lambda device: True  # type: ignore[assignment]
+    saved = (api.has_streams, pools.has_streams, comm.symm_mem.set_backend)
+    api.has_streams = pools.has_streams = lambda device: True  # type: ignore[assignment]
     comm.symm_mem.set_backend = backends.append  # type: ignore[assignment]
     try:
         model = fully_shard(nn.Linear(4, 4))
@@ -248,7 +251,7 @@ def _symm_mem_choices(force_sum: bool) -> dict[str, Any]:
             "refusal": refusal,
         }
     finally:
-        api.has_streams, comm.symm_mem.set_backend = saved  # type: ignore[assignment]
+        api.has_streams, pools.has_streams, comm.symm_mem.set_backend = saved  # type: ignore[assignment]
 
 
 def test_symm_mem_takes_the_all_gather_and_only_a_sum_reduce_scatter() -> None:

@@ -11,15 +11,16 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..api import FSDPModule, _paths
+from ..api import FSDPModule
 from ..state import FSDPState
+from .checks import module_paths
 
 
 def _names(fqn: str, modules: tuple[nn.Module, ...], owner: Any) -> tuple[str, str, str, str]:
     """(this call, this parameter, the owner's parameter, the owner's call), each by its name in the outermost model
     that holds both calls' modules where there is one, else by the calls' module classes and the parameters' names
     under them."""
-    paths = _paths(modules[0])
+    paths = module_paths(modules[0])
 
     def where(mods: tuple[nn.Module, ...], local: str) -> tuple[str, str] | None:  # (the call, the parameter)
         index, rest = local.split(".", 1) if len(mods) > 1 else ("0", local)
