@@ -45,11 +45,11 @@ class ShardPlacementResult:
 
 class ShardedUsageError(ValueError, AssertionError):
     """A misuse of ``fully_shard`` (e.g. applying it twice to one module) that torch's FSDP2 reports with
-    ``AssertionError``: an instance of both, so either ``except`` catches it."""
+    ``AssertionError``. It is an instance of both, so either ``except`` catches it."""
 
 
 class ShardedDeepcopyError(RuntimeError, AssertionError):
-    """``copy.deepcopy`` of a sharded module (torch's FSDP2 raises ``AssertionError`` there): deep-copy the model
+    """``copy.deepcopy`` of a sharded module, where torch's FSDP2 raises ``AssertionError``. Deep-copy the model
     before ``fully_shard`` instead."""
 
 
@@ -68,8 +68,8 @@ class _Owner:
 
 
 class _ReplacedParameter(nn.Parameter):
-    """The class of a parameter fully_shard replaced by a sharded one: reading its ``.grad`` raises, as an optimizer
-    built before fully_shard (its step or ``zero_grad``) would update a dead tensor."""
+    """The class of a parameter fully_shard replaced by a sharded one. Reading its ``.grad`` raises, because an
+    optimizer built before fully_shard (its step or ``zero_grad``) would update a dead tensor."""
 
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
@@ -218,8 +218,8 @@ _POLICIES = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, 
 
 
 def _own_policy(value: Any) -> Any:
-    """A policy built from torch's FSDP2 class of the same name (by a framework, before ``fully_shard.install()``) as
-    fully_shard's: the same fields mean the same."""
+    """A policy built from torch's FSDP2 class of the same name (by a framework, before ``fully_shard.install()``),
+    rebuilt as fully_shard's. The same fields mean the same."""
     ours = _POLICIES.get(type(value).__name__)
     if ours is None or isinstance(value, ours) or not type(value).__module__.startswith("torch.distributed.fsdp"):
         return value
@@ -263,9 +263,9 @@ def _as_modules(module: nn.Module | Iterable[nn.Module]) -> tuple[nn.Module, ...
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
                     ) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]], ShardedParam | None]]:
-    """The parameters this call gathers: reachable from ``modules`` without passing through a module an earlier call
-    sharded. Maps each to its name, every place it is registered, and an earlier call's ShardedParam of it (a
-    parameter tied across calls: Note [tied parameters])."""
+    """The parameters this call gathers, those reachable from ``modules`` without passing through a module an earlier
+    call sharded. Maps each to its name, every place it is registered, and an earlier call's ShardedParam of it (a
+    parameter tied across calls, Note [tied parameters])."""
     found: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]], ShardedParam | None]] = {}
     for fqn, module, name, p in walk_params(modules, lambda m: getattr(m, STATE_ATTR, None) is not None):
         if p in ignored:
@@ -281,9 +281,9 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
 
 def walk_params(modules: tuple[nn.Module, ...],
                 is_sharded: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
-    """Every registration ``(fqn, module, name, parameter)`` that a ``fully_shard`` call on ``modules`` reaches: each
-    module visited once, not entering a module that ``is_sharded`` says an earlier (inner) call sharded, children
-    before a module's own parameters. A parameter registered in several places comes once per place. Pure: the
+    """Every registration ``(fqn, module, name, parameter)`` that a ``fully_shard`` call on ``modules`` reaches. Each
+    module is visited once, children before its own parameters, and a module that ``is_sharded`` says an earlier
+    (inner) call sharded is not entered. A parameter registered in several places comes once per place. Pure: the
     memory planner walks a meta-device model with it.
 
     Example::
@@ -422,8 +422,8 @@ class FSDPModule:
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters now, e.g. to prefetch ahead of forward (which then finds them gathered):
-        returns an :class:`UnshardHandle` to wait on with ``async_op=True``, else waits."""
+        """All-gather this module's parameters now, e.g. to prefetch ahead of forward, which then finds them gathered.
+        With ``async_op=True`` it returns an :class:`UnshardHandle` to wait on; otherwise it waits."""
         group = state_of(self).group  # type: ignore[arg-type]
         if group is not None:
             for p in group.params:
@@ -442,7 +442,7 @@ class FSDPModule:
         state_of(self).reset_iter_state()  # type: ignore[arg-type]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step: only then does its end wait for the last
+        """Whether the next backward is the last before the optimizer step. Only then does its end wait for the last
         gradient reduction (useful when pipelining microbatches)."""
         state_of(self).lazy_init().is_last_backward = is_last_backward  # type: ignore[arg-type]
 

@@ -28,7 +28,7 @@ class MeshInfo:
     spmd_replicate_dims: tuple[int, ...] = ()  # flattened into its replicate dim
 
     def __post_init__(self) -> None:
-        # DDP: each rank's shard is the whole parameter (one rank's worth): no collective uses this group
+        # DDP: each rank's shard is the whole parameter, so no collective uses this group
         ddp, dim = self.shard_mesh_dim is None, self.shard_mesh_dim
         self.shard = Ranks(self.mesh.get_group(self.replicate_mesh_dim), 1, 0) if ddp else _ranks(self.mesh, dim)
         self.replicate = None if self.replicate_mesh_dim is None else _ranks(self.mesh, self.replicate_mesh_dim)
@@ -61,9 +61,9 @@ _MODEL_PARALLEL_DIM_NAMES = ("tp", "cp", "ep", "pp", "tensor", "context", "exper
 
 
 def reshard_setting(value: bool | int | None, n: int, where: str = "") -> bool | int | None:
-    """``reshard_after_forward`` as torch reads it, for a shard group of ``n`` ranks: ``None`` or a bool as given; an
-    int ``k`` must divide ``n``; ``n`` means True (reshard to the whole group), 1 means False (keep the full parameters,
-    with a warning, as 1 reads like True); any other ``k`` stays ``k``. Pure: the memory planner reads it too.
+    """``reshard_after_forward`` as torch reads it, for a shard group of ``n`` ranks. ``None`` and a bool stay as
+    given. An int ``k`` must divide ``n``. ``n`` means True (reshard to the whole group); 1 means False (keep the full
+    parameters, with a warning, as 1 reads like True); any other ``k`` stays ``k``. Pure: the planner reads it too.
 
     Example::
 
@@ -85,10 +85,11 @@ def reshard_setting(value: bool | int | None, n: int, where: str = "") -> bool |
 def resolve_reshard_after_forward(
     value: bool | int | None, info: MeshInfo, params: list[tuple[str, MeshInfo]]
 ) -> tuple[bool | None, dict[int, Ranks]]:
-    """``reshard_after_forward``, once: whether to reshard after forward (``None``: decided at lazy init) and, for an
-    int ``k`` (see :func:`reshard_setting`), per mesh of the call's ``(fqn, mesh)`` ``params`` (by ``id``), the k
-    consecutive ranks of its shard dim that hold the parameters between forward and backward, this rank among them
-    (none where ``k`` is the whole shard dim: resharded as with True). ``k`` must divide every mesh's."""
+    """Resolve ``reshard_after_forward`` once. Returns whether to reshard after forward (``None`` is decided at lazy
+    init) and, for an int ``k`` (see :func:`reshard_setting`), the ``k``-rank groups by mesh: for each mesh of the
+    call's ``(fqn, mesh)`` ``params``, keyed by ``id``, the k consecutive ranks of its shard dim that hold the
+    parameters between forward and backward, this rank among them. A mesh where ``k`` is the whole shard dim has none
+    (resharded as with True). ``k`` must divide every mesh's shard dim."""
     if info.shard_mesh_dim is None:
         return False, {}  # DDP: nothing to reshard to; the full parameters stay, as in torch
     setting = reshard_setting(value, info.shard.size)

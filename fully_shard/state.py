@@ -48,8 +48,8 @@ class TrainingState(Enum):
     """Which phase a state is in; the memory its group holds is the group's ``GroupState``."""
 
     IDLE = auto()  # entered by post-forward; the end of backward and reset() return every state here
-    FORWARD = auto()  # entered by pre-forward: its module's forward runs on the gathered group (several modules: the
-    #                   pass is open, ``to_run`` holds the members yet to run; leaving FORWARD empties it)
+    FORWARD = auto()  # entered by pre-forward; its module's forward runs on the gathered group. With several modules
+    #                   the pass is open and ``to_run`` holds the members yet to run; leaving FORWARD empties it
     PRE_BACKWARD = auto()  # entered when its outputs' first gradient arrives: the group is gathered for backward
     POST_BACKWARD = auto()  # entered by post-backward: its gradients went to the reduction; it stays until the end of
     #                         backward unless another call of its module (a module called twice) reaches it again
@@ -94,8 +94,8 @@ class RootContext:
         self.prev_forward_order: list[FSDPState] = []  # ... of the last iteration: forward prefetch
         self.post_forward_order: list[FSDPState] = []  # reversed, the backward order
         self.callback = Callback.IDLE
-        # reductions in flight, oldest first: at most max_in_flight after a post-backward (default 1:
-        # the previous group's is finished once the next is issued; set_reduce_scatter_max_input_buffers)
+        # reductions in flight, oldest first. At most max_in_flight stay after a post-backward: by default 1, so
+        # the previous group's is finished once the next is issued (set_reduce_scatter_max_input_buffers)
         self.pending: list[PendingReduce] = []
         self.resolve_max_in_flight()
         self.is_last_backward = True
@@ -118,8 +118,8 @@ class RootContext:
             Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def finalize_backward(self) -> None:
-        """End of backward: settle groups autograd did not reach. Note [one post-backward per backward]: every group
-        still DUE or AT_END is reduced here, so none owes a reduction once this returns."""
+        """Settle, at the end of backward, the groups autograd did not reach. Note [one post-backward per backward]:
+        every group still DUE or AT_END is reduced here, so none owes a reduction once this returns."""
         with record_function("fully_shard::finalize_backward"):
             for state in self.states:
                 group = state.group
@@ -406,10 +406,10 @@ class FSDPState:
         return output
 
     def _agree_on_skipped(self, pairs: list[tuple[FSDPState, ParamGroup, Seen]]) -> None:
-        """reduce_scatter_unused_params: a group gathered but skipped on some ranks reduces zeros there at the end of
-        backward, elsewhere when its backward ends: the reduce-scatters would pair up wrongly. One small all-reduce per
-        mesh finds such groups (and those run nowhere that hold gradients accumulated with sync off); every rank reduces
-        them at the end.
+        """For reduce_scatter_unused_params. A group gathered but skipped on some ranks would reduce zeros there at
+        the end of backward, and elsewhere when its backward ends, so the reduce-scatters would pair up wrongly. One
+        small all-reduce per mesh finds such groups (and those run nowhere that hold gradients accumulated with sync
+        off), and every rank reduces them at the end.
 
         Note [same collectives everywhere]: whether a group reduces, and when, must be decided alike on every rank, so
         the decision reads only the all-reduced table."""
@@ -540,8 +540,8 @@ def _on_grad(output: Any, fn: Callable[[], None]) -> None:
 
 
 def _register_state_dict_hooks(group: ParamGroup) -> None:
-    """``state_dict()`` and ``load_state_dict()`` hooks on every module that registers one of the group's parameters:
-    saving always saves the shards; loading reshards first, cuts a full tensor to this rank's shard, and adopts a
+    """``state_dict()`` and ``load_state_dict()`` hooks on every module that registers one of the group's parameters.
+    Saving always saves the shards. Loading reshards first, cuts a full tensor to this rank's shard, and adopts a
     DTensor an ``assign=True`` load registered."""
     by_module: dict[nn.Module, dict[str, ShardedParam]] = {}
     for sp in group.params:
