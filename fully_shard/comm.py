@@ -307,8 +307,8 @@ def divide_factors(
 
 
 def reduce_scatter(grads: list[torch.Tensor], ranks: Ranks, dtype: torch.dtype, *, dp_size: int,
-                   divide_factor: float | None,
-                   force_sum: bool, what: str, label: str = "", custom: Any = None) -> ReduceScatterWork:
+                   divide_factor: float | None, force_sum: bool, what: str, label: str = "",
+                   custom: Any = None) -> ReduceScatterWork:
     """Reduce-scatter ``grads`` (full unsharded gradients) into this rank's flat shard.
 
     The division covers all ``dp_size`` data-parallel ranks: with HSDP the caller all-reduces

@@ -320,8 +320,8 @@ class ParamGroup:
         with streams.use("reduce_scatter"):  # one per reduce dtype and mesh
             reductions = [(self._reduce_scatter(bucket, grads), bucket)
                           for bucket in _buckets(list(grads), lambda p: p.reduce_dtype)]
-        # streams: the gradients are read on the reduce-scatter stream, held until its wait; without, packed already:
-        # freed
+        # with streams, the gradients are read on the reduce-scatter stream and held until its wait; without, they were
+        # packed already and are freed
         return PendingReduce(self, reductions, options.requires_all_reduce,
                              list(grads.values()) if streams.backend is not None else [])
 

@@ -42,8 +42,7 @@ class ShardedParam:
     which DTensors users see (plain, tensor-parallel, ``dp_mesh_dims``).
     """
 
-    # set by __init__ for a parameter it shards, or taken from the ShardedParam of an earlier call (Note [tied
-    # parameters])
+    # set by __init__ for a parameter it shards, or taken from an earlier call's ShardedParam (Note [tied parameters])
     tie: Tie  # every call's ShardedParam of this parameter
     owner: Any  # the fully_shard call that sharded it (api's ``_Owner``)
     size: torch.Size  # of the (TP-local) tensor that is gathered
@@ -57,13 +56,12 @@ class ShardedParam:
 
     def __init__(
         self, param: nn.Parameter, fqn: str, uses: list[tuple[nn.Module, str]], mesh_info: MeshInfo,
-        device: torch.device,
-        mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool, shard_dim: int = 0,
+        device: torch.device, mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool, shard_dim: int = 0,
         tied_to: ShardedParam | None = None,
     ) -> None:
         if param.dim() == 0:
-            raise ValueError(f"fully_shard cannot shard the scalar parameter {fqn!r}: give it shape (1,) or pass it in "
-                             "ignored_params")
+            raise ValueError(f"fully_shard cannot shard the scalar parameter {fqn!r}: give it shape (1,) "
+                             "or pass it in ignored_params")
         self.local_fqn = fqn  # relative to the module(s) given to fully_shard
         self.fqn = fqn  # relative to the root, once lazy init knows it
         self.uses = uses  # every (module, attribute name) that registers this parameter
@@ -127,8 +125,7 @@ class ShardedParam:
         return self.self_gather is not None
 
     def set_owner(self, owner: object) -> None:
-        """Record the owner on the sharded parameter too (again when that is replaced or swapped:
-        ``refresh_after_apply``)."""
+        """Record the owner on the sharded parameter too (again in ``refresh_after_apply``, which may swap it)."""
         self.owner = owner
         self.sharded_param.__dict__[OWNER_ATTR] = owner
 
@@ -312,8 +309,8 @@ class ShardedParam:
                 f"fully_shard: parameter {self.fqn!r} is a {type(local).__name__}, a tensor subclass without "
                 "fsdp_pre_all_gather / fsdp_post_all_gather at its all-gather: gathering it would silently give a "
                 "plain tensor. Define both (torch's FSDP2 all-gather extension contract) on its class, or on its local "
-                "tensor (param._local_tensor, after to_empty()) before the first forward; or keep it out with "
-                "ignored_params."
+                "tensor (param._local_tensor, after to_empty()) before the first forward; "
+                "or keep it out with ignored_params."
             )
         if ext == self.extension:
             return False

@@ -176,8 +176,8 @@ class FSDPState:
 
     def __init__(
         self, modules: tuple[nn.Module, ...], group: ParamGroup | None, device: torch.device,
-        reshard_after_forward: bool | None,
-        post_forward_ranks: dict[int, Ranks], mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter],
+        reshard_after_forward: bool | None, post_forward_ranks: dict[int, Ranks], mp_policy: MixedPrecisionPolicy,
+        ignored_params: set[nn.Parameter],
     ) -> None:
         self.modules = modules
         self.mp_policy = mp_policy
