@@ -67,7 +67,7 @@ def check_ignored(root: FSDPState, states: list[FSDPState]) -> None:
         return
     calls = [s._name() for s in states if any(id(t) in left for t in s.ignored_params)]
     buffers = {id(b): n for m in root.modules for n, b in m.named_buffers(remove_duplicate=False)}
-    shown = "; ".join(f"a {type(t).__name__} of shape {tuple(t.shape)}, {t.dtype}{known_as(t, buffers)}"
+    shown = "; ".join(f"a {type(t).__name__} of shape {tuple(t.shape)}, {t.dtype}{_known_as(t, buffers)}"
                       for t in left.values())
     raise ValueError("fully_shard: ignored_params of the call on "
                      f"{', '.join(calls[:3])}{' ...' if len(calls) > 3 else ''} holds {len(left)} tensor(s) that "
@@ -77,7 +77,7 @@ def check_ignored(root: FSDPState, states: list[FSDPState]) -> None:
                      "ignored_params={model.norm.weight}, or drop these from the set.")
 
 
-def known_as(t: torch.Tensor, buffers: dict[int, str]) -> str:
+def _known_as(t: torch.Tensor, buffers: dict[int, str]) -> str:
     """`` (the buffer 'x')``, `` (held as 'k' in a dict)`` or nothing: a name for an ignored tensor in a message (not a
     local variable's: the stack's frames are left out)."""
     if id(t) in buffers:
