@@ -5,6 +5,12 @@ Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
     from fully_shard import fully_shard
 """
 
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
 from .api import (
     FSDPModule,
     ShardedDeepcopyError,
@@ -15,12 +21,14 @@ from .api import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from .comm import CollectiveError
+from .comm import DEBUG_ENV, CollectiveError
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .tools.clip import clip_grad_norm_
-from .tools.debug import CollectiveMismatchError
-from .tools.init import broadcast_full_state_dict, materialize
-from .tools.plan import plan
+
+if TYPE_CHECKING:  # the tools' names below, for type checkers; loaded by __getattr__ at first use
+    from .tools.clip import clip_grad_norm_
+    from .tools.debug import CollectiveMismatchError
+    from .tools.init import broadcast_full_state_dict, materialize
+    from .tools.planner import plan
 
 __all__ = [
     # torch's FSDP2 names
@@ -33,3 +41,17 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_TOOLS = {"materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_", "CollectiveMismatchError"}
+
+
+def __getattr__(name: str) -> Any:
+    """``fully_shard.plan`` and the other tools' names, each loaded from its module at first use (PEP 562): importing
+    fully_shard loads no tool."""
+    if name not in _TOOLS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(".tools", __name__), name)
+
+
+if os.environ.get(DEBUG_ENV, "") == "1":  # the collective debug mode for the whole run, without a code change
+    importlib.import_module(".tools.debug", __name__).set_debug(True)

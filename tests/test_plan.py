@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fully_shard import MixedPrecisionPolicy
-from fully_shard.tools.cli import main as cli_main
-from fully_shard.tools.plan import plan
+from fully_shard.tools.planner import plan
+from fully_shard.tools.planner.cli import main as cli_main
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
@@ -264,6 +264,21 @@ def test_cli_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.
         cli_main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_import_fully_shard_loads_no_planner() -> None:
+    """The tools are loaded when used: ``import fully_shard`` loads no planner module (nor any other tool), and
+    ``fully_shard.plan`` is then the planner function itself. Importing ``fully_shard.plan`` as a module (it only runs
+    the command line) is refused, since it would hide the function."""
+    code = ("import sys, fully_shard; print(sorted(m for m in sys.modules if m.startswith('fully_shard.tools'))); "
+            "plan = fully_shard.plan; print(type(plan).__name__, plan.__module__, 'fully_shard.tools.planner' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT, "FULLY_SHARD_DEBUG": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "function fully_shard.tools.planner.api True"], proc.stdout
+    proc = subprocess.run([sys.executable, "-c", "import fully_shard.plan"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 1 and "fully_shard.plan is the memory planner function" in proc.stderr, proc.stderr
 
 
 def test_cli_bad_flag_exits_2_as_a_process() -> None:
@@ -512,8 +527,8 @@ def test_planned_activations_match_measured(dtype: str, checkpointing: bool) -> 
           f"({measured['peak'] / planned.peak_activation_bytes - 1:+.1%})")
     # what each block saves: everything, or under AC what the checkpoint saves, the block's input
     # (block 0 also saves the rotary cos/sin, shared by all: the planner counts them once, with the rest)
-    from fully_shard.tools.activations import estimate_activations
-    from fully_shard.tools.models import load_model
+    from fully_shard.tools.planner.activations import estimate_activations
+    from fully_shard.tools.planner.models import load_model
 
     est = estimate_activations(load_model(_tiny_llama)[0], batch_size, seq_len, torch_dtype)
     assert est.block_bytes == block

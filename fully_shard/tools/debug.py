@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,7 +57,7 @@ def set_debug(enabled: bool) -> None:
 
     Example::
 
-        >>> fully_shard.tools.set_debug(True)  # as FULLY_SHARD_DEBUG=1 does at import
+        >>> fully_shard.tools.set_debug(True)  # as FULLY_SHARD_DEBUG=1 does when fully_shard is imported
     """
     comm.monitor.checks = [c for c in comm.monitor.checks if not isinstance(c, _SameEverywhere)]
     if enabled:
@@ -85,7 +84,3 @@ def debug_collectives() -> Iterator[None]:
         yield
     finally:
         set_debug(was_on)
-
-
-if os.environ.get(comm.DEBUG_ENV, "") == "1":
-    set_debug(True)

@@ -12,29 +12,28 @@ foreach step adds one temporary per parameter (``exp_avg_sq.sqrt()``), a per-ten
 two of the largest. Given ``batch_size`` and ``seq_len``, the activations of a
 ``transformers`` Llama-family model are added (``activations.py``: the tensors saved for
 backward, per block, with or without activation checkpointing); otherwise they are left
-out. The table that ``str(plan)`` prints is made by ``fully_shard.tools.cli``.
+out. The table that ``str(plan)`` prints is made by ``report.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 import torch.nn as nn
 
-from ..api import _as_modules, check_options, walk_params
-from ..mesh import reshard_setting
-from ..param import ShardLayout, param_dtypes, shard_layout
-from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ..streams import accelerator_type, has_streams
+from ...api import _as_modules, check_options, walk_params
+from ...mesh import reshard_setting
+from ...param import ShardLayout, param_dtypes, shard_layout
+from ...policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ...streams import accelerator_type, has_streams
 from .activations import estimate_activations
 from .models import load_model
 from .replay import Call, Replay, Timeline, pre_order
+from .report import GroupPlan, Plan
 
 __all__ = ["plan", "Plan", "GroupPlan", "OPTIMIZERS"]
 
@@ -42,112 +41,6 @@ WrapSpec = Union[type, Iterable[type], Callable[[nn.Module], bool], None]  # noq
 
 # optimizer name -> states per parameter (each shaped and typed like the parameter)
 OPTIMIZERS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "none": 0}
-
-
-# -- the result -----------------------------------------------------------------------------
-
-
-@dataclass
-class GroupPlan:
-    """One ``fully_shard`` call's parameters, per rank. Byte counts are per call of each
-    collective (``all_gathers`` per step: 1, or 2 when resharded after forward)."""
-
-    name: str  # the wrapped module's name; "(root)" for the root's own parameters
-    tensors: int  # parameter tensors in the group
-    numel: int  # parameter elements (unsharded, unpadded)
-    sharded_bytes: int  # this rank's rows of the parameters, in their own dtype
-    grad_bytes: int  # sharded gradients as stored (views of padded slots, or copies)
-    optimizer_bytes: int  # optimizer state of this rank's rows
-    unsharded_bytes: int  # padded unsharded parameters (N slots), all-gather dtype
-    unsharded_grad_bytes: int  # full gradients autograd computes, compute dtype
-    all_gather_input_bytes: int
-    all_gather_output_bytes: int
-    reduce_scatter_input_bytes: int
-    reduce_scatter_output_bytes: int
-    all_reduce_bytes: int  # HSDP, across replicas
-    reshard_after_forward: bool | int
-    all_gathers: int  # per step
-
-
-@dataclass
-class Plan:
-    """Per-rank memory and communication of one training step under fully_shard.
-
-    Bytes are tensor bytes (what the caching allocator is asked for, not what it reserves)
-    on ``rank``; activations are counted only when ``batch_size`` is set (else left out).
-    ``peak_bytes`` is the most device memory live at once during the step (sharded state,
-    in-flight parameters and gradients, optimizer temporaries, activations) and ``peak_at``
-    says when. ``str(plan)`` is a readable table;
-    ``plan.to_json()`` has every field.
-
-    Example::
-
-        >>> p = plan("llama3-8b", 64)
-        >>> p.peak_bytes, p.peak_at, p.groups[0].unsharded_bytes
-        >>> plan("llama3-8b", 64, batch_size=1, seq_len=8192, activation_checkpointing=True).activation_bytes
-    """
-
-    model: str
-    mesh_shape: tuple[int, ...]
-    rank: int
-    shard_size: int
-    replicate_size: int
-    param_dtype: str | None  # MixedPrecisionPolicy.param_dtype (None: the parameters' own)
-    reduce_dtype: str | None
-    storage_dtypes: list[str]  # dtypes of the sharded parameters
-    optimizer: str
-    offload: bool
-    reshard_after_forward: bool | int | None
-    device_type: str
-    num_params: int
-    groups: list[GroupPlan]
-    # sharded state, per rank
-    sharded_param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    buffer_bytes: int  # module buffers, replicated on every rank
-    device_state_bytes: int  # what of the above lives on the device
-    host_bytes: int  # what of it lives in host memory (CPU offload)
-    # transients, per rank, on the device
-    peak_unsharded_param_bytes: int  # unsharded parameters + all-gather buffers
-    peak_unsharded_grad_bytes: int  # unsharded gradients + reduce-scatter buffers
-    optimizer_step_bytes: int  # temporaries of optimizer.step()
-    peak_bytes: int
-    peak_at: str
-    # communication per step, per rank (buffer sizes summed over calls)
-    all_gathers: int
-    all_gather_input_bytes: int
-    all_gather_output_bytes: int
-    reduce_scatters: int
-    reduce_scatter_input_bytes: int
-    reduce_scatter_output_bytes: int
-    all_reduces: int
-    all_reduce_bytes: int
-    send_bytes: int  # bytes this rank sends per step with ring algorithms
-    notes: list[str] = field(default_factory=list)
-    # device bytes over the replayed step, after every allocation and free: [phase, sharded
-    # state, unsharded params, unsharded grads, optimizer temporaries, activations]
-    memory_trace: list[list[Any]] = field(default_factory=list)
-    # activations (None / 0 unless batch_size and seq_len were given), per rank
-    batch_size: int | None = None
-    seq_len: int | None = None
-    activation_checkpointing: bool = False
-    block_activation_bytes: int = 0  # saved for backward by one block (rebuilt in its backward under AC)
-    activation_bytes: int = 0  # kept from forward to backward, all of the model, at the end of forward
-    peak_activation_bytes: int = 0  # the most live at once in the replay (with AC: plus one rebuilt block)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Every field, as plain data."""
-        return dataclasses.asdict(self)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """Every field, as JSON."""
-        return json.dumps(self.to_dict(), indent=indent)
-
-    def __str__(self) -> str:
-        from .cli import format_plan  # the presentation lives with the command line
-
-        return format_plan(self)
 
 
 # -- the fully_shard calls, as fully_shard would make them ------------------------------------

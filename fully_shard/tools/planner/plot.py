@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .report import Plan
 
 __all__ = ["memory_figure", "save_memory_plot"]
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..group import GroupState, next_state
+from ...group import GroupState, next_state
 
 __all__ = ["Call", "Timeline", "Replay", "pre_order", "post_order"]
 
