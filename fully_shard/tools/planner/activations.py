@@ -1,6 +1,6 @@
 """Activation memory of a Llama-style decoder: the tensors autograd saves for backward.
 
-The memory planner (``plan.py``) adds these to its step replay when given a batch size and
+The memory planner (``api.py``) adds these to its measured step when given a batch size and
 a sequence length. The count is per decoder block (one child of the ``layers``
 ``nn.ModuleList``) and for the rest of the model (embedding, final norm, loss), for the
 eager modules of ``transformers``' Llama family (Llama, Mistral, Qwen2, ...) with an SDPA

@@ -1,4 +1,4 @@
-"""A picture of a memory plan: device bytes over the replayed training step."""
+"""A picture of a memory plan: device bytes over the measured training step."""
 
 from __future__ import annotations
 

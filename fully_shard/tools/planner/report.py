@@ -91,7 +91,7 @@ class Plan:
     all_reduce_bytes: int
     send_bytes: int  # bytes this rank sends per step with ring algorithms
     notes: list[str] = field(default_factory=list)
-    # device bytes over the replayed step, after every allocation and free: [phase, sharded
+    # device bytes over the measured step, after every allocation and free: [phase, sharded
     # state, unsharded params, unsharded grads, optimizer temporaries, activations]
     memory_trace: list[list[Any]] = field(default_factory=list)
     # activations (None / 0 unless batch_size and seq_len were given), per rank
@@ -100,7 +100,7 @@ class Plan:
     activation_checkpointing: bool = False
     block_activation_bytes: int = 0  # saved for backward by one block (rebuilt in its backward under AC)
     activation_bytes: int = 0  # kept from forward to backward, all of the model, at the end of forward
-    peak_activation_bytes: int = 0  # the most live at once in the replay (with AC: plus one rebuilt block)
+    peak_activation_bytes: int = 0  # the most live at once in the step (with AC: plus one rebuilt block)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as plain data."""
