@@ -66,6 +66,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from support.processes import die_with_parent
+
 __all__ = [
     "DEVICE_ENV",
     "DistributedTestFailure",
@@ -274,18 +276,6 @@ def _flush_std_streams() -> None:
         try:
             stream.flush()
         except Exception:  # pragma: no cover
-            pass
-
-
-def die_with_parent() -> None:
-    """Linux: ask the kernel to SIGKILL this process when its parent dies, so no worker (or
-    benchmark rank) outlives a test run that was killed hard (a CI timeout, SIGKILL)."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):  # pragma: no cover - no libc prctl
             pass
 
 

@@ -155,7 +155,7 @@ def _measure_grid_body(configs: list[str]) -> dict[str, Any]:
 
 def _measure(config: str) -> dict[str, Any]:
     """A training step of ``config`` (the second and the third) under the storage tracker: the report of the lower."""
-    from tests.live_storages import LiveStorages
+    from support.storages import StorageTracker as LiveStorages
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _model(config)
