@@ -271,8 +271,8 @@ def lines_readme_region() -> str:
     optim = sum(_line_counts("fully_shard/optim/**/*.py").values())
     return (f"The core library, `fully_shard/*.py`, is {core:,} lines (`wc -l fully_shard/*.py`, counted by "
             "`docs/gen_figures.py`), small enough to read in an afternoon: start from `fully_shard/api.py`. "
-            f"The optional tools in `fully_shard/tools/` ({tools:,} lines, the memory planner built on the core's "
-            f"own layout, ownership and state functions) and the optimizers in `fully_shard/optim/` ({optim:,} "
+            f"The optional tools in `fully_shard/tools/` ({tools:,} lines, among them the memory planner, which runs the "
+            f"core itself on a fake process group) and the optimizers in `fully_shard/optim/` ({optim:,} "
             "lines) come on top.")
 
 

@@ -50,7 +50,8 @@ def _wrapped_names(model: nn.Module, wrap: WrapSpec) -> list[str]:
     """The names of the modules that get their own fully_shard call (the root aside), inner ones first."""
     if wrap is None:  # default: the blocks, i.e. children of any ModuleList named "layers"
         chosen = [f"{name}.{child}" for name, m in model.named_modules()
-                  if isinstance(m, nn.ModuleList) and name.rpartition(".")[2] == "layers" for child, _ in m.named_children()]
+                  if isinstance(m, nn.ModuleList) and name.rpartition(".")[2] == "layers"
+                  for child, _ in m.named_children()]
     else:
         if isinstance(wrap, type):
             classes: tuple[type, ...] | None = (wrap,)
@@ -180,7 +181,8 @@ def plan(
     if (batch_size is None) != (seq_len is None):
         raise ValueError("batch_size and seq_len go together: give both to count activations, or neither")
     if activation_checkpointing and batch_size is None:
-        raise ValueError("activation_checkpointing needs batch_size and seq_len (activations are not counted without them)")
+        raise ValueError("activation_checkpointing needs batch_size and seq_len "
+                         "(activations are not counted without them)")
     streams = has_streams(torch.device(device_type))
     foreach = streams if foreach is None else foreach
     model, label = load_model(model_or_constructor)
@@ -215,7 +217,8 @@ def plan(
         param_dtype=_dtype_name(root.mp_policy.param_dtype), reduce_dtype=_dtype_name(root.mp_policy.reduce_dtype),
         storage_dtypes=sorted({str(_dtype_name(p.dtype)) for p in sharded}), optimizer=optimizer, offload=offload,
         reshard_after_forward=reshard_setting(reshard_after_forward, shard), device_type=device_type,
-        groups=[_group(s, model, step.collectives, shard, opt.states, on_device) for s in states if s.group is not None],
+        groups=[_group(s, model, step.collectives, shard, opt.states, on_device)
+                for s in states if s.group is not None],
         notes=["CPU offload changes nothing on a CPU mesh: everything is host memory"] if offload and not streams else [],
         batch_size=batch_size, seq_len=seq_len, activation_checkpointing=activation_checkpointing,
         block_activation_bytes=block_act, activation_bytes=sum(a.kept + a.rest for a in acts.values()), **fields,
@@ -275,13 +278,15 @@ def _group(state: FSDPState, model: nn.Module, events: list[CollectiveEvent], sh
     trainable = [p for p in params if p.sharded_param.requires_grad]
     return GroupPlan(
         name=next(n for n, m in model.named_modules() if m is state.modules[0]) or "(root)", tensors=len(params),
-        numel=sum(p.sharded_param.numel() for p in params), sharded_bytes=_storage_bytes(p.sharded_param for p in params),
+        numel=sum(p.sharded_param.numel() for p in params),
+        sharded_bytes=_storage_bytes(p.sharded_param for p in params),
         grad_bytes=_grad_bytes(params, on_device),
         optimizer_bytes=states * _storage_bytes(p.sharded_param for p in trainable),
         unsharded_bytes=sum(e.nbytes * e.group_size for e in forward),
         unsharded_grad_bytes=sum(p.sharded_param.numel() * p.unsharded_param.element_size() for p in trainable
                                  if p.unsharded_param is not None),
-        all_gather_input_bytes=sum(e.nbytes for e in forward), all_gather_output_bytes=sum(e.nbytes * e.group_size for e in forward),
+        all_gather_input_bytes=sum(e.nbytes for e in forward),
+        all_gather_output_bytes=sum(e.nbytes * e.group_size for e in forward),
         reduce_scatter_input_bytes=sum(e.nbytes for e in reductions),
         reduce_scatter_output_bytes=sum(e.nbytes // e.group_size for e in reductions),
         all_reduce_bytes=sum(e.nbytes for e in mine if e.kind == "all_reduce"),
@@ -307,22 +312,24 @@ def _memory(step: Step, model: nn.Module, on_device: bool, opt: _Optimizer) -> d
         "optimizer_bytes": optim, "buffer_bytes": buffers, "device_state_bytes": base + (grads if on_device else 0),
         "host_bytes": 0 if on_device else params + grads + optim, "peak_unsharded_param_bytes": max(r[2] for r in rows),
         "peak_unsharded_grad_bytes": max(r[3] for r in rows), "optimizer_step_bytes": opt.temporaries,
-        "peak_bytes": totals[top], "peak_at": rows[top][0], "memory_trace": rows, "peak_activation_bytes": max(r[5] for r in rows),
+        "peak_bytes": totals[top], "peak_at": rows[top][0], "memory_trace": rows,
+        "peak_activation_bytes": max(r[5] for r in rows),
     }
 
 
 def _communication(events: list[CollectiveEvent]) -> dict[str, Any]:
     """The communication fields of the plan, off the collectives of the step (``send_bytes``: ring algorithms)."""
     out: dict[str, Any] = {"send_bytes": 0}
-    for kind, plural in (("all_gather", "all_gathers"), ("reduce_scatter", "reduce_scatters"), ("all_reduce", "all_reduces")):
+    for kind, plural in (("all_gather", "all_gathers"), ("reduce_scatter", "reduce_scatters"),
+                         ("all_reduce", "all_reduces")):
         these = [e for e in events if e.kind == kind]
         out[plural] = len(these)
         if kind == "all_reduce":
             out["all_reduce_bytes"] = sum(e.nbytes for e in these)
         else:
             out[f"{kind}_input_bytes"] = sum(e.nbytes for e in these)
-            out[f"{kind}_output_bytes"] = sum(e.nbytes * e.group_size if kind == "all_gather" else e.nbytes // e.group_size
-                                              for e in these)
+            out[f"{kind}_output_bytes"] = sum(e.nbytes * e.group_size if kind == "all_gather"
+                                              else e.nbytes // e.group_size for e in these)
     for e in events:
         n = e.group_size
         out["send_bytes"] += {"all_gather": (n - 1) * e.nbytes, "reduce_scatter": (n - 1) * e.nbytes // n,

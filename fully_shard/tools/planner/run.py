@@ -46,7 +46,8 @@ from ...streams import Streams
 
 __all__ = ["KINDS", "Activations", "Ledger", "NoStreams", "Step", "fake_world", "measure_step"]
 
-KINDS = ("state", "param", "grad", "optim", "act")  # sharded state; unsharded params; unsharded grads; optimizer; activations
+# sharded state (gradients); unsharded parameters; unsharded gradients; optimizer temporaries; activations
+KINDS = ("state", "param", "grad", "optim", "act")
 
 # the group methods whose allocations are of one kind (the innermost on the stack decides), and how a step names them
 _KINDS = {"accumulate_sharded_grads": "state", "finish_reduce": "grad", "reduce_grads": "grad",
@@ -73,9 +74,9 @@ def fake_world(shape: tuple[int, ...], rank: int) -> Iterator[DeviceMesh]:
         ...     fully_shard(model, mesh=mesh)
     """
     if dist.is_initialized():
-        raise RuntimeError("fully_shard.plan runs fully_shard on a fake process group of its own, but this process has "
-                           "initialised torch.distributed already: plan before init_process_group, or in a process of its "
-                           "own (python -m fully_shard.plan)")
+        raise RuntimeError("fully_shard.plan runs fully_shard on a fake process group of its own, but this process "
+                           "has initialised torch.distributed already: plan before init_process_group, or in a process "
+                           "of its own (python -m fully_shard.plan)")
     dist.Backend.register_backend("fake", _fake_group, extended_api=True, devices=["cpu"])
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=math.prod(shape))
     try:
@@ -249,7 +250,8 @@ def _fills_only(func: Any) -> bool:
     op that changes neither a shape (``inplace_view`` ops do) nor a storage (``resize_``, ``set_``)."""
     if not func._schema.is_mutable or torch.Tag.inplace_view in func.tags or func._schema.name in _STORAGE_OPS:
         return False
-    return bool(_written(func)) and all(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
+    returns = func._schema.returns
+    return bool(_written(func)) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
 
 
 _STORAGE_OPS = {"aten::resize_", "aten::resize_as_", "aten::set_", "aten::_resize_output_"}
@@ -282,7 +284,8 @@ class _Use(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         with ctx.ledger.tagged("grad", f"gradients of {_label(ctx.state)}"):
-            grads = [torch.empty(s, dtype=d) if need else None for (s, d), need in zip(ctx.specs, ctx.needs_input_grad[3:])]
+            needed = ctx.needs_input_grad[3:]
+            grads = [torch.empty(s, dtype=d) if need else None for (s, d), need in zip(ctx.specs, needed)]
         return (None, None, grad, *grads)
 
 
@@ -350,7 +353,8 @@ def _label(state: FSDPState) -> str:
     return state.group.label if state.group is not None else type(state.modules[0]).__name__.removeprefix("FSDP")
 
 
-def _stand_in(module: nn.Module, state: FSDPState, ledger: Ledger, acts: Activations | None) -> Callable[..., torch.Tensor]:
+def _stand_in(module: nn.Module, state: FSDPState, ledger: Ledger,
+              acts: Activations | None) -> Callable[..., torch.Tensor]:
     """``module``'s forward, as far as memory goes: its sharded children called and its own parameters used, in
     registration order, between the start and the end of the call's activations."""
     items = _stretches(module)
@@ -409,6 +413,8 @@ def measure_step(model: nn.Module, *, streams: bool, activations: dict[FSDPState
                 out.sum().backward()
 
         forward_backward()  # the prefetch order, buffers kept after backward: from now on as in every later step
+        for acts in activations.values():
+            acts.held = []  # a call whose activations no node of its own backward let go
         for state in states:
             for p in state.group.params if state.group is not None else ():
                 p.sharded_param.grad = None  # optimizer.zero_grad()
