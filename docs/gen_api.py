@@ -67,25 +67,27 @@ def _markdown(doc: str) -> str:
 
 
 class _Default:
-    """Shows a dataclass instance equal to its class's default as ``Name()``."""
+    """Shows a default by a stable text: a dataclass instance equal to its class's default as ``Name()``, a function by
+    its name (not its address)."""
 
-    def __init__(self, value: object) -> None:
-        self.value = value
+    def __init__(self, text: str) -> None:
+        self.text = text
 
     def __repr__(self) -> str:
-        return f"{type(self.value).__name__}()"
+        return self.text
 
 
-def _is_default_dataclass(value: object) -> bool:
+def _shown(value: object) -> object:
     cls = type(value)
-    return dataclasses.is_dataclass(cls) and value == cls()
+    if dataclasses.is_dataclass(cls) and value == cls():
+        return _Default(f"{cls.__name__}()")
+    return _Default(value.__name__) if inspect.isfunction(value) else value
 
 
 def _format_signature(name: str, sig: inspect.Signature, drop_self: bool = False) -> str:
     """``name(a: T = d, ...) -> R`` with string annotations unquoted; one parameter per
     line when it does not fit in 88 columns."""
-    params = [p.replace(default=_Default(p.default)) if _is_default_dataclass(p.default) else p
-              for p in sig.parameters.values()]
+    params = [p.replace(default=_shown(p.default)) for p in sig.parameters.values()]
     if drop_self and params and params[0].name == "self":
         params = params[1:]
     sig = sig.replace(parameters=params)
@@ -145,6 +147,8 @@ def _in_torch(name: str, method: str | None = None) -> bool:
 SUBPACKAGES = (
     ("fully_shard.tools", "planner, comm trace, wrap helpers, debug mode"),
     ("fully_shard.ckpt", "crash-safe checkpoints, CheckpointManager, conversion to one file"),
+    ("fully_shard.quant", "quantized all-gather / reduce-scatter as torch Comm objects, quantize_comms"),
+    ("fully_shard.tools.ft", "fault-tolerant HSDP on torchft: the replicate reduction and live recovery"),
 )
 
 

@@ -107,7 +107,8 @@ def non_negative_float(text: str) -> float:
 def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse ``argv`` with ``--config FILE.toml`` supplying the defaults: flags given on
     the command line override the file. TOML tables only group keys (``[training]
-    steps = 100`` sets ``--steps``); a key is a flag's name with ``-`` or ``_``."""
+    steps = 100`` sets ``--steps``); a key is a flag's name with ``-`` or ``_``, except in
+    ``[fault_tolerance]``, whose keys are torchtitan's (``enable`` sets ``--ft-enable``)."""
     import tomllib
 
     pre = argparse.ArgumentParser(add_help=False)
@@ -120,8 +121,9 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -
         except (OSError, tomllib.TOMLDecodeError) as e:
             parser.error(f"--config {known.config!r}: {e}")
         flat: dict[str, Any] = {}
-        for key, value in table.items():
-            flat.update(value if isinstance(value, dict) else {key: value})
+        for key, value in table.items():  # [fault_tolerance] enable = ...: torchtitan's names for the --ft-* flags
+            prefix = "ft_" if key == "fault_tolerance" else ""
+            flat.update({prefix + k: v for k, v in value.items()} if isinstance(value, dict) else {key: value})
         dests = {a.dest: a for a in parser._actions}
         defaults = {}
         for key, value in flat.items():
@@ -253,6 +255,10 @@ class StatefulBatchSampler:
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch": self.batch}
 
+    def seek(self, k: int) -> None:
+        """Go to the ``k``-th batch of the stream (counted from the start of epoch 0)."""
+        self.epoch, self.batch = divmod(k, self.per_epoch)
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
 
@@ -378,6 +384,29 @@ def training_state_bytes(model: torch.nn.Module, *optimizers: torch.optim.Optimi
     return total
 
 
+def state_digest(model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> tuple[str, str]:
+    """SHA-256 of this rank's parameter shards (and buffers), and of its optimizers' state, in name order: equal
+    digests, bitwise equal states."""
+    import hashlib
+
+    import torch
+
+    from fully_shard.tools.ft import sharded_state_dict
+
+    optim = {f"{n}.{k}": v for o in optimizers
+             for n, entry in sharded_state_dict(model, o)["optim"]["state"].items() for k, v in entry.items()}
+    out = []
+    for tensors in (sharded_state_dict(model)["model"], optim):
+        h = hashlib.sha256()
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                     if isinstance(t, torch.Tensor) else repr(t).encode())
+        out.append(h.hexdigest()[:16])
+    return out[0], out[1]
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -419,7 +448,7 @@ class Progress:
         if self.bar is not None:
             self.bar.write(msg, file=sys.stdout)
         else:
-            print(msg, flush=True)
+            sys.stdout.write(msg + "\n")  # one write: other processes' lines do not cut into it
         sys.stdout.flush()
 
     def update(self, loss: float, tokens_per_s: float) -> None:

@@ -3,6 +3,10 @@
 Drop-in compatible with ``torch.distributed.fsdp.fully_shard``::
 
     from fully_shard import fully_shard
+
+or, for a framework that calls torch's ``fully_shard`` for you (accelerate, the Hugging Face Trainer, torchtitan)::
+
+    import fully_shard; fully_shard.install()
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from .api import (
 from .comm import DEBUG_ENV, CollectiveError
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
-if TYPE_CHECKING:  # the tools' names below, for type checkers; loaded by __getattr__ at first use
+if TYPE_CHECKING:  # the names below, for type checkers; loaded by __getattr__ at first use
+    from .switch import install, uninstall
     from .tools.clip import clip_grad_norm_
     from .tools.debug import CollectiveMismatchError
     from .tools.init import broadcast_full_state_dict, materialize
@@ -35,7 +40,7 @@ __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
     "register_fsdp_forward_method", "DataParallelMeshDims", "share_comm_ctx", "ShardPlacementResult",
     # beyond torch's FSDP2
-    "materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_",
+    "materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_", "install", "uninstall",
     # exceptions to catch
     "CollectiveError", "CollectiveMismatchError", "ShardedUsageError", "ShardedDeepcopyError",
 ]
@@ -47,7 +52,10 @@ _TOOLS = {"materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_",
 
 def __getattr__(name: str) -> Any:
     """``fully_shard.plan`` and the other tools' names, each loaded from its module at first use (PEP 562): importing
-    fully_shard loads no tool."""
+    fully_shard loads no tool. ``install``/``uninstall`` live in fully_shard.switch, the one module that imports
+    torch's FSDP2 namespaces (to replace names there): loaded when first asked for too."""
+    if name in ("install", "uninstall"):
+        return getattr(importlib.import_module(".switch", __name__), name)
     if name not in _TOOLS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(".tools", __name__), name)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .comm import PoolComm
-from .group import ParamGroup
+from .group import GroupOptions, ParamGroup
 from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
 from .param import OWNER_ATTR, ShardedParam
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -146,6 +147,7 @@ def fully_shard(
         >>> model(tokens).sum().backward(); opt.step(); opt.zero_grad()
     """
     modules = _as_modules(module)
+    mp_policy, offload_policy, dp_mesh_dims = (_own_policy(p) for p in (mp_policy, offload_policy, dp_mesh_dims))
     check_options(mp_policy, offload_policy, reshard_after_forward)
     mesh_info = mesh_info_for(mesh, dp_mesh_dims)
     device = mesh_info.device
@@ -194,6 +196,18 @@ def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: An
         raise ValueError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     if not (reshard_after_forward is None or isinstance(reshard_after_forward, int)):
         raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
+
+
+_POLICIES = {cls.__name__: cls for cls in (MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy, DataParallelMeshDims)}
+
+
+def _own_policy(value: Any) -> Any:
+    """A policy built from torch's FSDP2 class of the same name (by a framework, before ``fully_shard.install()``) as
+    fully_shard's: the same fields mean the same."""
+    ours = _POLICIES.get(type(value).__name__)
+    if ours is None or isinstance(value, ours) or not type(value).__module__.startswith("torch.distributed.fsdp"):
+        return value
+    return ours(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
 
 
 def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, info: MeshInfo,
@@ -400,10 +414,11 @@ class FSDPModule:
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         return [s.group for s in self._fully_shard_states(recurse) if s.group is not None]
 
-    def _set(self, name: str, value: Any, recurse: bool) -> None:
-        """A setter's work: ``name`` on this module's group, and on every group below it with ``recurse``."""
+    def _update(self, recurse: bool, change: Callable[[ParamGroup], GroupOptions]) -> None:
+        """Every setter's one path: this module's group, and every group below it with ``recurse``, takes the options
+        ``change`` returns for it (a ``dataclasses.replace`` of ``group.options``, which mypy checks by name)."""
         for group in self._groups(recurse):
-            setattr(group, name, value)
+            group.options = change(group)
 
     def no_sync(self) -> Any:
         """DDP's ``no_sync()`` does not exist here; raises with the fully_shard equivalent."""
@@ -455,11 +470,11 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn gradient reduction on or off (off: gradients accumulate unsharded, locally, until a backward with it
         on). Applies to submodules too unless ``recurse=False``."""
-        self._set("requires_gradient_sync", requires_gradient_sync, recurse)
+        self._update(recurse, lambda g: replace(g.options, requires_gradient_sync=requires_gradient_sync))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: turn the all-reduce across replicas on or off (the reduce-scatter still runs)."""
-        self._set("requires_all_reduce", requires_all_reduce, recurse)
+        self._update(recurse, lambda g: replace(g.options, requires_all_reduce=requires_all_reduce))
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free full parameters after forward (and gather them again in backward)."""
@@ -472,7 +487,7 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Whether to free full parameters after backward (False keeps them for the next forward, e.g. between
         gradient-accumulation microbatches)."""
-        self._set("reshard_after_backward", reshard_after_backward, recurse)
+        self._update(recurse, lambda g: replace(g.options, reshard_after_backward=reshard_after_backward))
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters as this module's forward starts, instead of the implicit choice (the
@@ -489,7 +504,7 @@ class FSDPModule:
         only, as in torch: call it on each FSDP module)."""
         if not factor > 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor!r}")
-        self._set("gradient_divide_factor", float(factor), False)
+        self._update(False, lambda g: replace(g.options, gradient_divide_factor=float(factor)))
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the next forward's first all-gather wait for ``event`` (recorded after the optimizer step) rather than
@@ -501,7 +516,7 @@ class FSDPModule:
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward all-gathers this module's parameters again. ``False`` saves that all-gather for modules
         whose backward does not need the parameters (e.g. an embedding); backward must then really not use them."""
-        self._set("unshard_in_backward", unshard_in_backward, False)
+        self._update(False, lambda g: replace(g.options, unshard_in_backward=unshard_in_backward))
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce-scatter zeros for parameters that got no gradient this backward, so ranks using different parameters
@@ -514,7 +529,7 @@ class FSDPModule:
             >>> fully_shard(moe_layer)  # router and all experts in one group
             >>> moe_layer.set_reduce_scatter_unused_params(True)
         """
-        self._set("reduce_scatter_unused_params", reduce_scatter_unused_params, recurse)
+        self._update(recurse, lambda g: replace(g.options, reduce_scatter_unused_params=reduce_scatter_unused_params))
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Use ``comm`` for this module's all-gathers: torch's ``AllGather`` interface, i.e. ``comm.allocate(size, *,
@@ -526,13 +541,13 @@ class FSDPModule:
             >>> block.set_custom_all_gather(MyAllGather())  # e.g. all_gather_into_tensor in __call__
         """
         _check_comm(comm, "set_custom_all_gather")
-        self._set("all_gather_comm", comm, False)
+        self._update(False, lambda g: replace(g.options, all_gather_comm=comm))
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Use ``comm`` for this module's reduce-scatters: torch's ``ReduceScatter`` interface, ``comm.allocate(...)``
         for both buffers and ``comm(output_tensor, input_tensor, group, op, async_op=False)``."""
         _check_comm(comm, "set_custom_reduce_scatter")
-        self._set("reduce_scatter_comm", comm, False)
+        self._update(False, lambda g: replace(g.options, reduce_scatter_comm=comm))
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
         """Call ``hook(output)`` on each reduced flat gradient shard (the reduce-scatter or, HSDP, the all-reduce
@@ -543,11 +558,13 @@ class FSDPModule:
 
             >>> block.set_all_reduce_hook(lambda g: dist.all_reduce(g, group=other_replicas), stream=torch.Stream())
         """
-        for group in self._groups(recurse=False):
+        def change(group: ParamGroup) -> GroupOptions:
             if stream is not None and group.mesh_info.replicate is not None:
                 raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (a 2-D mesh)")
-            group.all_reduce_hook = hook
-            group.all_reduce_hook_stream = group.all_reduce_hook_stream if stream is None else stream  # kept, as in torch
+            kept = group.options.all_reduce_hook_stream if stream is None else stream  # as in torch
+            return replace(group.options, all_reduce_hook=hook, all_reduce_hook_stream=kept)
+
+        self._update(False, change)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in torch: use :meth:`set_gradient_divide_factor`."""
@@ -557,7 +574,7 @@ class FSDPModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce this module's gradients with ``ReduceOp.SUM`` only (never ``AVG``), dividing in a separate step (this
         module's group only, as in torch)."""
-        self._set("force_sum_reduction", enable, False)
+        self._update(False, lambda g: replace(g.options, force_sum_reduction=enable))
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Keep up to this many reductions (reduce-scatter inputs) in flight in backward (1: the previous group's is
@@ -571,9 +588,11 @@ class FSDPModule:
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        for group in self._groups(recurse):
-            _check_symm_buffers(self, max_input_buffers, getattr(group.reduce_scatter_comm, "symmetric", False))
-            group.max_input_buffers = max_input_buffers
+        def change(group: ParamGroup) -> GroupOptions:
+            _check_symm_buffers(self, max_input_buffers, getattr(group.options.reduce_scatter_comm, "symmetric", False))
+            return replace(group.options, max_input_buffers=max_input_buffers)
+
+        self._update(recurse, change)
         if (ctx := state_of(self).ctx) is not None:  # type: ignore[arg-type]
             ctx.resolve_max_in_flight()
 
@@ -581,10 +600,14 @@ class FSDPModule:
         """Run reduce-scatters on process groups of their own (one per set of shard ranks per call, created here: call
         it on every rank), so they can overlap with all-gathers."""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for group in self._groups(recurse):
+
+        def change(group: ParamGroup) -> GroupOptions:
             infos = {id(p.mesh_info): p.mesh_info for p in group.params}  # one per mesh of the call
-            old = group.reduce_scatter_groups
-            group.reduce_scatter_groups = {k: separate_group(i, made, old.get(k)) for k, i in infos.items()} if enable else {}
+            old = group.options.reduce_scatter_groups
+            groups = {k: separate_group(i, made, old.get(k)) for k, i in infos.items()} if enable else {}
+            return replace(group.options, reduce_scatter_groups=groups)
+
+        self._update(recurse, change)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate this module's communication buffers from the process group's own allocator where its backend has
@@ -594,11 +617,14 @@ class FSDPModule:
 
             >>> block.set_allocate_memory_from_process_group_for_comm(True)  # each module: not recursive, as in torch
         """
-        for group in self._groups(recurse=False):
+        def change(group: ParamGroup) -> GroupOptions:
             _check_own_comms(self, "set_allocate_memory_from_process_group_for_comm", group, False)
-            rs_group = group.reduce_scatter_groups.get(id(group.mesh_info), group.mesh_info.shard.group)
-            group.all_gather_comm = PoolComm(group.mesh_info.shard.group) if enable else None
-            group.reduce_scatter_comm = PoolComm(rs_group) if enable else None
+            rs_group = group.options.reduce_scatter_groups.get(id(group.mesh_info), group.mesh_info.shard.group)
+            all_gather = PoolComm(group.mesh_info.shard.group) if enable else None
+            reduce_scatter = PoolComm(rs_group) if enable else None
+            return replace(group.options, all_gather_comm=all_gather, reduce_scatter_comm=reduce_scatter)
+
+        self._update(False, change)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Allocate this module's all-gather output (and, with force-sum reduction, reduce-scatter buffers) from
@@ -609,18 +635,21 @@ class FSDPModule:
 
             >>> block.set_symm_mem_for_comm()  # an NCCL process group on GPUs
         """
-        for group in self._groups(recurse=False):
-            pg, device = group.mesh_info.shard.group, group.device
+        def change(group: ParamGroup) -> GroupOptions:
+            pg, device, o = group.mesh_info.shard.group, group.device, group.options
             found = _backend_name(pg, device)
             if found.lower() != backend.lower():
                 raise NotImplementedError(f"{type(self).__name__}.set_symm_mem_for_comm({backend!r}): symmetric memory needs a "
                                           f"{backend} process group on an accelerator, but this module has {found} on {device}. It "
                                           f"changes where buffers live, not the results: call it only when running on {backend}.")
             _check_own_comms(self, "set_symm_mem_for_comm", group, True)
-            _check_symm_buffers(self, group.max_input_buffers, group.force_sum_reduction)
-            group.all_gather_comm = PoolComm(pg, backend)
-            if group.force_sum_reduction:  # symmetric reduce-scatters only sum (NCCL 2.29), as in torch
-                group.reduce_scatter_comm = PoolComm(group.reduce_scatter_groups.get(id(group.mesh_info), pg), backend)
+            _check_symm_buffers(self, o.max_input_buffers, o.force_sum_reduction)
+            all_gather, reduce_scatter = PoolComm(pg, backend), o.reduce_scatter_comm
+            if o.force_sum_reduction:  # symmetric reduce-scatters only sum (NCCL 2.29), as in torch
+                reduce_scatter = PoolComm(o.reduce_scatter_groups.get(id(group.mesh_info), pg), backend)
+            return replace(o, all_gather_comm=all_gather, reduce_scatter_comm=reduce_scatter)
+
+        self._update(False, change)
 
 
 def _backend_name(pg: dist.ProcessGroup, device: torch.device) -> str:

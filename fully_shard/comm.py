@@ -160,10 +160,14 @@ class ReduceScatterWork(CollectiveWork):
         return cast(torch.Tensor, super().wait())
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str, label: str = "") -> None:
-    """HSDP: reduce the reduce-scatter output across replicas, in place."""
-    work, event = _issue("all_reduce", what, group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), label)
-    _wait(work, what)
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType, what: str, label: str = "",
+               custom: Any = None) -> None:
+    """HSDP: reduce the reduce-scatter output across replicas, in place; through the reduce-scatter Comm's
+    ``all_reduce`` where it has one (our extension of torch's Comm API, e.g. ``fully_shard.quant``: it may return None)."""
+    fn = getattr(custom, "all_reduce", None) or dist.all_reduce
+    work, event = _issue("all_reduce", what, group, tensor, lambda: fn(tensor, op=op, group=group, async_op=True), label)
+    if work is not None:
+        _wait(work, what)
     _finish(event)
 
 
@@ -229,7 +233,8 @@ def all_gather(shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks
     """Pack ``shards`` (1-D, each padded to its ``shard_numels`` entry) into this rank's slot of the output and
     all-gather in place over ``ranks``.
 
-    Each slot's padding is left uninitialised: it lands in padding rows of the unsharded buffers, which no user sees.
+    Each slot's padding is left uninitialised (it lands in padding rows of the unsharded buffers, which no user sees),
+    except for a ``custom`` Comm, which may compute on its whole input (a quantizer's scales): zeros, as in torch.
     Over one rank nothing is packed or gathered: ``copy_out`` copies the shards.
     """
     if ranks.size == 1:
@@ -238,8 +243,10 @@ def all_gather(shards: list[torch.Tensor], shard_numels: list[int], ranks: Ranks
     out = _buffer(custom, total * ranks.size, dtype, device)
     inp = out.narrow(0, ranks.rank * total, total)  # packed in place: no separate input buffer
     # one split into (shard, padding) pieces, one copy into the shard pieces
-    sizes = [n for s, slot in zip(shards, shard_numels) for n in (s.numel(), slot - s.numel())]
-    torch._foreach_copy_(inp.split_with_sizes(sizes)[::2], shards)
+    pieces = inp.split_with_sizes([n for s, slot in zip(shards, shard_numels) for n in (s.numel(), slot - s.numel())])
+    torch._foreach_copy_(pieces[::2], shards)
+    if custom is not None:
+        torch._foreach_zero_(pieces[1::2])
     work, event = _start("all_gather", what, ranks, out, inp, custom, label)
     return CollectiveWork(work, inp, out, ranks.size, what, event)
 

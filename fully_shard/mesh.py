@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,22 +111,29 @@ def resolve_reshard_after_forward(
     return True, keep
 
 
+# reshard_after_forward=k's groups per world, by (ranks of every copy of the shard dim, k): weakly keyed by the default
+# process group, so that destroy_process_group() drops them and a new world makes its own (docs/design.md)
+_k_rank_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[Any, ...], Ranks]] = weakref.WeakKeyDictionary()
+
+
 def _post_forward_info(info: MeshInfo, k: int) -> Ranks:
-    """This rank's k-rank group. Every rank creates every group, in the same order, as
-    ``new_group`` requires; as in torch, each fully_shard call creates its own."""
+    """This rank's k-rank group. Once per world and key (torch makes a set per call, an NCCL communicator each:
+    pytorch/pytorch#147179), every rank creates every group, in the same order, as ``new_group`` requires; the key is
+    the same on every rank, whichever copy of a sub-mesh it holds, so all make or reuse the groups together."""
     n = info.shard.size
     # a row per shard group, of every copy of a sub-mesh (``.mesh`` holds this rank's copy only)
     rows = info.mesh._layout.remap_to_tensor(info.mesh._rank_map).reshape(-1, n).tolist()
-    me = dist.get_rank()
-    mine: Ranks | None = None
-    for row in rows:
-        for start in range(0, n, k):
-            members = row[start : start + k]
-            group = dist.new_group(members)
-            if me in members:
-                mine = Ranks(group, k, members.index(me))
-    assert mine is not None, f"rank {me} is not in the mesh {rows}"
-    return mine
+    made, key = _k_rank_groups.setdefault(dist.distributed_c10d._get_default_group(), {}), (str(rows), k)
+    if key not in made:
+        me = dist.get_rank()
+        for row in rows:
+            for start in range(0, n, k):
+                members = row[start : start + k]
+                group = dist.new_group(members)
+                if me in members:
+                    made[key] = Ranks(group, k, members.index(me))
+        assert key in made, f"rank {me} is not in the mesh {rows}"
+    return made[key]
 
 
 def separate_group(info: MeshInfo, made: dict[tuple[int, ...], dist.ProcessGroup], current: dist.ProcessGroup | None) -> dist.ProcessGroup:

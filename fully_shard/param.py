@@ -4,65 +4,21 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from .layout import Layout, MeshLayout, layout_for, mesh_layout_for
 from .mesh import MeshInfo
 from .policy import MixedPrecisionPolicy
 
 # on an original parameter and its sharded replacement: the fully_shard call owning them (``ShardedParam.owner``)
 OWNER_ATTR = "_fully_shard_owner"
-
-
-class ShardLayout(NamedTuple):
-    """Where one rank's part of a parameter sharded on dim 0 lies (see :func:`shard_layout`)."""
-
-    chunk_rows: int  # rows of every rank's slot in the flat collective buffers: ceil(rows / world)
-    row_start: int  # first row this rank holds
-    local_rows: int  # rows this rank holds (the last ranks may hold fewer, or none)
-    row_numel: int  # elements per row: the product of the other dims
-    world: int  # ranks in the shard dim
-
-    @property
-    def local_numel(self) -> int:
-        """Elements this rank holds (its sharded parameter, gradient and optimizer state)."""
-        return self.local_rows * self.row_numel
-
-    @property
-    def slot_numel(self) -> int:
-        """Elements of every rank's padded slot in the all-gather / reduce-scatter buffers."""
-        return self.chunk_rows * self.row_numel
-
-
-def shard_layout(shape: Sequence[int], world: int, rank: int) -> ShardLayout:
-    """fully_shard's dim-0 layout of a parameter of ``shape`` on ``rank`` of ``world``.
-
-    ``torch.chunk`` semantics: ``c = ceil(rows / world)`` rows per rank; rank ``r`` holds rows
-    ``[r*c, min((r+1)*c, rows))`` and every rank's slot in the flat collective buffers is ``c``
-    rows (padded). Pure: :class:`ShardedParam` and the memory planner both lay out with it.
-
-    Example::
-
-        >>> shard_layout((10, 4), world=4, rank=3)  # rows 9..9 of slots of 3 rows
-        ShardLayout(chunk_rows=3, row_start=9, local_rows=1, row_numel=4, world=4)
-        >>> shard_layout((10, 4), 4, 3).local_numel, shard_layout((10, 4), 4, 3).slot_numel
-        (4, 12)
-    """
-    if len(shape) == 0:
-        raise ValueError("fully_shard cannot shard a scalar parameter: give it shape (1,)")
-    rows = shape[0]
-    chunk = math.ceil(rows / world)
-    start = min(rank * chunk, rows)
-    return ShardLayout(chunk, start, min(start + chunk, rows) - start, math.prod(shape[1:]), world)
 
 
 def param_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
@@ -78,16 +34,13 @@ def param_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[t
     return unsharded, mp_policy.reduce_dtype or unsharded
 
 
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    return tuple(make_contiguous_strides_for(size))
-
-
 class ShardedParam:
-    """A parameter sharded over the shard dim of the mesh, on tensor dim ``shard_dim``.
+    """A parameter sharded over the shard dim of the mesh: its sharded DTensor, and the unsharded tensor the module
+    computes with, gathered into a padded flat buffer (or by the local tensor itself: ``SelfGather``).
 
-    Dim 0 is laid out by :func:`shard_layout` (the unsharded buffer: ``N`` padded slots of ``c`` rows, the first ``n``
-    rows the parameter); other dims (``shard_placement_fn``) must divide evenly. A DTensor (TP) parameter is sharded on
-    its local tensor; its sharded DTensor lives on the joined dp and TP mesh, its unsharded one is the TP DTensor.
+    Where its pieces lie is told by two objects (layout.py): ``layout`` cuts the (TP-local) tensor among the ranks and
+    maps it to the flat buffers (``RowLayout``: dim 0, padded; ``EvenLayout``: another dim, even), ``mesh_layout`` says
+    which DTensors users see (plain, tensor-parallel, ``dp_mesh_dims``).
     """
 
     def __init__(
@@ -108,33 +61,12 @@ class ShardedParam:
         self.offload = offload
         self.pin_memory = offload and pin_memory  # as asked: shards kept pinned, gradients come back without blocking
 
-        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
-        if mesh_info.spmd_mesh is not None:
-            _check_spmd_param(param, fqn, mesh_info)
+        self.mesh_layout: MeshLayout = mesh_layout_for(param, mesh_info, fqn)
         data = param._local_tensor if isinstance(param, DTensor) else param
         self.size = data.shape  # of the (TP-local) tensor that is gathered
-        if shard_dim < 0:
-            shard_dim += data.dim()
-        self._ext_meta: Any = None  # fsdp_pre_all_gather's metadata, until post-all-gather
-        self._ext_sizes: list[torch.Size] = []  # all-gather inputs' shapes, dim 0 padded
-        self._ext_dtypes: list[torch.dtype] = []
-        self._ext_outputs: list[torch.Tensor] | None = None  # 1-D, N slots each; freed when sharded
-        self._ext_inner: list[torch.Tensor] = []  # the subclass's tensors that hold the gathered data
-        world, rank = mesh_info.shard.size, mesh_info.shard.rank
-        self.shard_dim = shard_dim
-        if shard_dim > 0 and self.size[shard_dim] % world:
-            raise ValueError(
-                f"fully_shard: shard_placement_fn put parameter {fqn!r} of shape {tuple(self.size)} on Shard({shard_dim}), "
-                f"which {world} ranks do not divide evenly; only dim 0 may be uneven. Return Shard(0) (or None) for it."
-            )
-        self.padded_shape = tuple(self.size)
-        if shard_dim == 0:
-            layout = shard_layout(self.size, world, rank)
-            self.chunk_rows, self.row_start, self.local_rows = layout.chunk_rows, layout.row_start, layout.local_rows
-            self.padded_shape = (world * self.chunk_rows, *self.size[1:])
-        src = self.local_part(data.detach())
-        self.local_shape = src.shape
-        self.shard_numel = layout.slot_numel if shard_dim == 0 else src.numel()  # every rank's slot, dim 0 padded
+        dim = shard_dim + data.dim() if shard_dim < 0 else shard_dim
+        self.layout: Layout = layout_for(self.size, dim, mesh_info.shard.size, mesh_info.shard.rank, fqn)
+        src = self.layout.local_part(data.detach())
 
         target = torch.device("meta") if param.is_meta else self.shard_device
         pin = target.type == "cpu" and self._pins()
@@ -150,11 +82,11 @@ class ShardedParam:
             local = torch.empty(src.shape, dtype=self.dtype, device=target, pin_memory=pin)  # this rank's part
             if not param.is_meta:
                 local.copy_(src)
-        self._spec = self._sharded_spec(param)
+        self._spec = self.mesh_layout.sharded_spec(dim, self.size, self.dtype)
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local), requires_grad=param.requires_grad)
-        # whether the local tensor gathers itself (torch's fsdp_pre/post_all_gather contract): decided at the call, then
-        # again at every all-gather (refresh_extension), since hooks may be patched onto the local tensor later
-        self.extension = _has_hooks(local, fqn)
+        # set while the local tensor gathers itself (torch's fsdp_pre/post_all_gather contract): decided at the call,
+        # then again at every all-gather (refresh_extension), since hooks may be patched onto the local tensor later
+        self.self_gather = SelfGather(self) if _has_hooks(local, fqn) else None
         self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
         self._gather_out: torch.Tensor | None = None  # (N, ...) view of it that the all-gather's copy-out fills
         self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (local shard, its 1-D view)
@@ -163,6 +95,11 @@ class ShardedParam:
         self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
         self._unsharded_version = 0  # the unsharded parameter's version counter after its copy-out
         self.owner: object = None  # the fully_shard call that owns it (api's ``_Owner``)
+
+    @property
+    def extension(self) -> bool:
+        """Whether the local tensor all-gathers itself (as of the last all-gather, or the call)."""
+        return self.self_gather is not None
 
     def set_owner(self, owner: object) -> None:
         """Record the owner on the sharded parameter too (again when that is replaced or swapped: ``refresh_after_apply``)."""
@@ -198,35 +135,6 @@ class ShardedParam:
         self._padded_unsharded = self._gather_out = None  # reallocated in the new dtype at the next all-gather
         self.unsharded_param = None
 
-    def _sharded_spec(self, param: nn.Parameter) -> DTensorSpec:
-        info = self.mesh_info
-        placement: Placement = Shard(self.shard_dim)
-        if info.spmd_mesh is not None:  # dp_mesh_dims: Shard the dp dims of the parameter's own mesh
-            assert self.tp_spec is not None
-            spmd, tp = info.spmd_mesh, self.tp_spec.placements
-            placements = list(tp)
-            # the later mesh dims that shard the same tensor dim split it before the dp dim does
-            splits = [spmd.size(j) if isinstance(p, (Shard, _StridedShard)) and p.dim == self.shard_dim else 1 for j, p in enumerate(tp)]
-            for i in info.spmd_shard_dims:
-                split = math.prod(splits[i + 1 :])
-                placements[i] = _StridedShard(self.shard_dim, split_factor=split) if split > 1 else placement
-            if len(info.spmd_shard_dims) < 2:
-                return DTensorSpec(spmd, tuple(placements), self.tp_spec.tensor_meta)
-            # several shard dims: the dp mesh (HSDP: with its replicate dim) stands in for them, at the first
-            first, hsdp, names = info.spmd_shard_dims[0], info.replicate_mesh_dim is not None, cast(tuple[str, ...], spmd.mesh_dim_names)
-            keep = [i for i in range(spmd.ndim) if i not in info.spmd_shard_dims[1:] + (info.spmd_replicate_dims if hsdp else ())]
-            meshes = [info.mesh if i == first else spmd[names[i]] for i in keep]
-            spec = [q for i in keep for q in ((Replicate(), placements[i]) if hsdp and i == first else (placements[i],))]
-            return DTensorSpec(DeviceMesh._concatenate(meshes), tuple(spec), self.tp_spec.tensor_meta)
-        ts = self.tp_spec
-        split = 1 if ts is None else ts.num_shards_map[self.shard_dim]
-        if split > 1:  # TP shards this dim into `split` pieces already: FSDP shards within each piece
-            placement = _StridedShard(self.shard_dim, split_factor=split)
-        dp = (placement,) if info.replicate is None else (Replicate(), placement)
-        if ts is None:
-            return DTensorSpec(info.mesh, dp, TensorMeta(param.shape, _contiguous_stride(param.shape), self.dtype))
-        return DTensorSpec(DeviceMesh._concatenate([info.mesh, ts.mesh]), dp + tuple(ts.placements), ts.tensor_meta)
-
     # -- sharded side ------------------------------------------------------------
 
     @property
@@ -249,22 +157,16 @@ class ShardedParam:
         flat = self.flat_shard()
         return flat.to(self.device, non_blocking=True) if self.offload else flat
 
-    def local_part(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full (TP-local) tensor shaped like the parameter."""
-        if self.shard_dim == 0:
-            return full[self.row_start : self.row_start + self.local_rows]
-        return full.chunk(self.mesh_info.shard.size, dim=self.shard_dim)[self.mesh_info.shard.rank]
-
     def full_to_sharded(self, full: torch.Tensor, key: str) -> DTensor:
         """A full tensor loaded into this parameter, as this rank's shard (a DTensor)."""
-        if self.tp_spec is not None:
+        if self.mesh_layout.tp_spec is not None:
             raise ValueError(
                 f"load_state_dict: {key!r} is a tensor-parallel parameter; load it as a DTensor "
                 "(e.g. through torch.distributed.checkpoint), not as a full tensor"
             )
         if full.shape != self.size:
             raise ValueError(f"load_state_dict: {key!r} has shape {tuple(full.shape)}, the parameter {tuple(self.size)}")
-        local = self.local_part(full).to(device=self.local_shard.device, dtype=self.dtype)
+        local = self.layout.local_part(full).to(device=self.local_shard.device, dtype=self.dtype)
         return self.to_sharded_dtensor(local.contiguous())
 
     def adopt(self, param: DTensor, what: str = "load_state_dict(assign=True)") -> None:
@@ -289,13 +191,14 @@ class ShardedParam:
             return  # not replaced (unsharded: an explicit unshard() before the first forward)
         if id(current) in managed:
             return  # another sharded parameter (a tie made after sharding): refused later
+        plain = self.mesh_layout.tp_spec is None
         fits = current.shape == self.size and (
-            current.placements == self._spec.placements if isinstance(current, DTensor) else self.tp_spec is None
+            current.placements == self._spec.placements if isinstance(current, DTensor) else plain
         )
         if not fits:
             return  # refused, naming it, by the root's check of the registered parameters
         if not isinstance(current, DTensor):
-            local = self.local_part(current.detach()).to(device=self.shard_device, dtype=self.dtype)
+            local = self.layout.local_part(current.detach()).to(device=self.shard_device, dtype=self.dtype)
             current = nn.Parameter(self.to_sharded_dtensor(local.contiguous()), requires_grad=current.requires_grad)
         self.adopt(current, "replacing a sharded parameter before the first forward")  # type: ignore[arg-type]
 
@@ -313,11 +216,6 @@ class ShardedParam:
 
     # -- unsharded side ------------------------------------------------------------
 
-    @property
-    def unsharded_numel(self) -> int:
-        """Elements of the padded unsharded buffer: world size x padded per-rank slot."""
-        return self.shard_numel * self.mesh_info.shard.size
-
     def alloc_unsharded(self) -> None:
         """Give the unsharded buffer its storage back (allocated on first use)."""
         if self._padded_unsharded is not None:
@@ -325,22 +223,19 @@ class ShardedParam:
             _alloc_storage(self._padded_unsharded)
             self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
             return
-        self._padded_unsharded = torch.empty(self.unsharded_numel, dtype=self.unsharded_dtype, device=self.device)
+        self._padded_unsharded = torch.empty(self.layout.padded_numel, dtype=self.unsharded_dtype, device=self.device)
         self._gather_out = None
-        data = self._padded_unsharded.view(self.padded_shape)[: self.size[0]]
-        if self.tp_spec is not None:
-            data = DTensor(data, self.tp_spec, requires_grad=False)
+        data = self.mesh_layout.unsharded(self.layout.unsharded(self._padded_unsharded))
         self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
 
     def gather_dest(self, world: int) -> torch.Tensor:
-        """Where a gathered ``(world, slot)`` block lands: the flat buffer as ``(world, slot)``, or for a shard dim d > 0
-        a ``(world, *local_shape)`` strided view putting each rank's part in place. Made once: a view follows resizes."""
+        """Where a gathered ``(world, slot)`` block lands: a ``(world, ...)`` view of the flat buffer whose entry ``r``
+        is rank ``r``'s part in place (``Layout.rank_major``). Made once: a view follows resizes."""
         assert self._padded_unsharded is not None
-        if world != self.mesh_info.shard.size:  # a k-rank post-forward gather of the flat buffer
+        if world != self.layout.world:  # a k-rank post-forward gather of the flat buffer
             return self._padded_unsharded.view(world, -1)
         if self._gather_out is None:
-            flat = self._padded_unsharded
-            self._gather_out = self._rank_major(flat) if self.shard_dim else flat.view(world, -1)
+            self._gather_out = self.layout.rank_major(self._padded_unsharded, self.layout.local_shape)
         return self._gather_out
 
     def keep_post_forward_slice(self, k: int, index: int) -> None:
@@ -373,8 +268,8 @@ class ShardedParam:
         references see the data again after the next all-gather."""
         if self._padded_unsharded is not None:
             self._padded_unsharded.untyped_storage().resize_(0)
-        for t in (self._ext_outputs or []) + self._ext_inner:
-            t.untyped_storage().resize_(0)
+        if self.self_gather is not None:
+            self.self_gather.free()
 
     # -- local tensors that all-gather themselves ------------------------------------
 
@@ -394,63 +289,9 @@ class ShardedParam:
             )
         if ext == self.extension:
             return False
-        self.extension = ext
-        self._padded_unsharded = self._gather_out = self.unsharded_param = self._ext_outputs = None
-        self._ext_inner = []
+        self.self_gather = SelfGather(self) if ext else None
+        self._padded_unsharded = self._gather_out = self.unsharded_param = None
         return True
-
-    def ext_all_gather_inputs(self) -> tuple[list[torch.Tensor], list[int]]:
-        """Call the local tensor's ``fsdp_pre_all_gather``: its inputs (1-D, as bytes) and each
-        one's per-rank slot in bytes (dim 0 padded like the parameter's rows)."""
-        local = self.local_shard
-        if local.device != self.device:
-            local = local.to(self.device, non_blocking=True)  # see all_gather_input
-        pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
-        info = self.mesh_info
-        mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[info.mesh.mesh_dim_names[info.shard_mesh_dim]]  # type: ignore[index]
-        if len(inspect.signature(pre).parameters) == 1:
-            inputs, self._ext_meta = pre(mesh)
-        else:
-            inputs, self._ext_meta = pre(mesh, self.size, _contiguous_stride(self.size), self.uses[0][0], self.mp_policy)
-        self._ext_sizes = [
-            torch.Size((self.chunk_rows, *t.shape[1:])) if not self.shard_dim and t.dim() and t.shape[0] == self.local_rows else t.shape
-            for t in inputs
-        ]
-        self._ext_dtypes = [t.dtype for t in inputs]
-        slots = [math.prod(size) * t.element_size() for size, t in zip(self._ext_sizes, inputs)]
-        return [t.reshape(-1).view(torch.uint8) for t in inputs], slots
-
-    def ext_gather_dests(self) -> list[torch.Tensor]:
-        """The persistent all-gather outputs (storage given back after a reshard) as ``(world, ...)`` byte views like
-        :meth:`gather_dest`'s: the subclass's unsharded tensors may alias them from the first all-gather on."""
-        world, d = self.mesh_info.shard.size, self.shard_dim
-        if self._ext_outputs is None:
-            self._ext_outputs = [
-                torch.empty(world * math.prod(s), dtype=dt, device=self.device) for s, dt in zip(self._ext_sizes, self._ext_dtypes)
-            ]
-        for t in self._ext_outputs + self._ext_inner:
-            _alloc_storage(t)
-        return [(t.view(*s[:d], world, *s[d:]).movedim(d, 0) if d else t.view(world, -1)).view(torch.uint8)
-                for t, s in zip(self._ext_outputs, self._ext_sizes)]
-
-    def ext_post_all_gather(self) -> None:
-        """Call the local tensor's ``fsdp_post_all_gather``: it builds the unsharded (TP-local)
-        parameter the first time, and refills it in place (``out=``) afterwards."""
-        assert self._ext_outputs is not None
-        d = self.shard_dim  # the ranks' parts lie side by side on it
-        outputs = tuple(t.view(*s[:d], -1, *s[d + 1 :]) for t, s in zip(self._ext_outputs, self._ext_sizes))
-        post = self.local_shard.fsdp_post_all_gather  # type: ignore[attr-defined]
-        if self.unsharded_param is None:
-            full, inner = post(outputs, self._ext_meta, self.unsharded_dtype)
-            self._ext_inner = list(inner)
-            if full.shape[0] != self.size[0]:  # padded rows of an uneven shard
-                full = full[: self.size[0]]
-            if self.tp_spec is not None:
-                full = DTensor(full, self.tp_spec, requires_grad=False)
-            self.unsharded_param = nn.Parameter(full, requires_grad=self.sharded_param.requires_grad)
-        else:
-            post(outputs, self._ext_meta, self.unsharded_dtype, out=self.unsharded_param)
-        self._ext_meta = None
 
     # -- which tensor the modules see --------------------------------------------
 
@@ -463,29 +304,79 @@ class ShardedParam:
     def unsharded_grad(self) -> torch.Tensor | None:
         """The gradient of the unsharded parameter as a plain (TP-local) tensor."""
         grad = None if self.unsharded_param is None else self.unsharded_param.grad
-        if isinstance(grad, DTensor):
-            assert self.tp_spec is not None
-            target = list(self.tp_spec.placements)
-            info = self.mesh_info
-            for i in info.spmd_shard_dims + info.spmd_replicate_dims:  # dp_mesh_dims: reduced below
-                target[i] = grad.placements[i]
-            if tuple(grad.placements) != tuple(target):  # e.g. Partial from sequence parallelism
-                grad = grad.redistribute(placements=target)
-            grad = grad._local_tensor
-        return grad
+        return None if grad is None else self.mesh_layout.local_grad(grad)
 
     def clear_unsharded_grad(self) -> None:
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None
 
-    def grad_for_reduce(self, grad: torch.Tensor) -> torch.Tensor:
-        """Arrange a full gradient so its dim 0 splits into the ranks' parts (``_chunk_cat``)."""
-        return self._rank_major(grad) if self.shard_dim else grad
 
-    def _rank_major(self, full: torch.Tensor) -> torch.Tensor:
-        """``full`` (shard dim d > 0) viewed as ``(world, ...)``: entry r is rank r's part."""
-        d, size, world = self.shard_dim, self.size, self.mesh_info.shard.size
-        return full.view(*size[:d], world, size[d] // world, *size[d + 1 :]).movedim(d, 0)
+class SelfGather:
+    """How a local tensor that gathers itself is all-gathered (torch's FSDP2 extension contract): its
+    ``fsdp_pre_all_gather`` gives the inputs, one all-gather of bytes per group and mesh gathers them into outputs kept
+    here (their storage freed while sharded: the subclass's unsharded tensor may alias them), and its
+    ``fsdp_post_all_gather`` builds the unsharded tensor from them. A strategy of the parameter's, not a layout: see
+    layout.py. ``ShardedParam.refresh_extension`` makes or drops it at every all-gather."""
+
+    def __init__(self, param: ShardedParam) -> None:
+        self.param = param
+        self.meta: Any = None  # fsdp_pre_all_gather's metadata, until fsdp_post_all_gather
+        self.slots: list[torch.Size] = []  # each input's per-rank slot (dim 0 padded like the parameter's rows)
+        self.dtypes: list[torch.dtype] = []
+        self.outputs: list[torch.Tensor] | None = None  # 1-D, N slots each; storage freed when sharded
+        self.inner: list[torch.Tensor] = []  # the subclass's tensors that hold the gathered data
+
+    def all_gather_inputs(self) -> tuple[list[torch.Tensor], list[int]]:
+        """Call the local tensor's ``fsdp_pre_all_gather``: its inputs (1-D, as bytes) and each
+        one's per-rank slot in bytes."""
+        p = self.param
+        local = p.local_shard
+        if local.device != p.device:
+            local = local.to(p.device, non_blocking=True)  # see ShardedParam.all_gather_input
+        pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        info, names = p.mesh_info, p.mesh_info.mesh.mesh_dim_names
+        mesh = info.mesh if info.mesh.ndim == 1 else info.mesh[names[info.shard_mesh_dim]]  # type: ignore[index]
+        if len(inspect.signature(pre).parameters) == 1:
+            inputs, self.meta = pre(mesh)
+        else:
+            inputs, self.meta = pre(mesh, p.size, tuple(make_contiguous_strides_for(p.size)), p.uses[0][0], p.mp_policy)
+        self.slots = [p.layout.slot_shape(t.shape) for t in inputs]
+        self.dtypes = [t.dtype for t in inputs]
+        nbytes = [math.prod(slot) * t.element_size() for slot, t in zip(self.slots, inputs)]
+        return [t.reshape(-1).view(torch.uint8) for t in inputs], nbytes
+
+    def gather_dests(self) -> list[torch.Tensor]:
+        """The persistent all-gather outputs (storage given back after a reshard) as ``(world, ...)`` byte views like
+        ``ShardedParam.gather_dest``'s."""
+        layout = self.param.layout
+        if self.outputs is None:
+            self.outputs = [torch.empty(layout.world * math.prod(s), dtype=dt, device=self.param.device)
+                            for s, dt in zip(self.slots, self.dtypes)]
+        for t in self.outputs + self.inner:
+            _alloc_storage(t)
+        return [layout.rank_major(t, s).view(torch.uint8) for t, s in zip(self.outputs, self.slots)]
+
+    def post_all_gather(self) -> None:
+        """Call the local tensor's ``fsdp_post_all_gather``: it builds the unsharded (TP-local)
+        parameter the first time, and refills it in place (``out=``) afterwards."""
+        p = self.param
+        assert self.outputs is not None
+        outputs = tuple(p.layout.joined(t, s) for t, s in zip(self.outputs, self.slots))
+        post = p.local_shard.fsdp_post_all_gather  # type: ignore[attr-defined]
+        if p.unsharded_param is None:
+            full, inner = post(outputs, self.meta, p.unsharded_dtype)
+            self.inner = list(inner)
+            if full.shape[0] != p.size[0]:  # padded rows of an uneven shard
+                full = full[: p.size[0]]
+            full = p.mesh_layout.unsharded(full)
+            p.unsharded_param = nn.Parameter(full, requires_grad=p.sharded_param.requires_grad)
+        else:
+            post(outputs, self.meta, p.unsharded_dtype, out=p.unsharded_param)
+        self.meta = None
+
+    def free(self) -> None:
+        for t in (self.outputs or []) + self.inner:
+            t.untyped_storage().resize_(0)
 
 
 def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tensor]) -> bool:
@@ -500,7 +391,7 @@ def accumulate_sharded_grads(params: list[ShardedParam], parts: list[torch.Tenso
     adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     pending_copy = False
     for p, part in zip(params, parts):
-        local = part.view(p.local_shape).to(p.dtype)
+        local = part.view(p.layout.local_shape).to(p.dtype)
         param = p.sharded_param
         grad, hooks = param.grad, param._post_accumulate_grad_hooks
         if p.offload:
@@ -525,29 +416,6 @@ def _add(adds: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
         torch._foreach_add_(*adds)
         adds[0].clear()
         adds[1].clear()
-
-
-def reduced_parts(params: list[ShardedParam], flat: torch.Tensor) -> list[torch.Tensor]:
-    """Each parameter's rows of a reduced ``flat`` (1-D: the padded slots in order, rows first), padding dropped."""
-    sizes = [n for p in params for n in (p.local_shape.numel(), p.shard_numel - p.local_shape.numel())]
-    return list(flat.split_with_sizes(sizes)[::2])
-
-
-def _check_spmd_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
-    """dp_mesh_dims: the parameter is a DTensor on the full mesh, replicated on the dp dims."""
-    if not isinstance(param, DTensor) or param.device_mesh != info.spmd_mesh:
-        raise ValueError(
-            f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} must be a DTensor on the mesh passed "
-            f"to fully_shard (e.g. from distribute_module / parallelize_module), got "
-            f"{'a DTensor on another mesh' if isinstance(param, DTensor) else 'a plain tensor'}"
-        )
-    for i in info.spmd_shard_dims + info.spmd_replicate_dims:
-        if not isinstance(param.placements[i], Replicate):
-            names = param.device_mesh.mesh_dim_names or ()
-            raise ValueError(
-                f"fully_shard(dp_mesh_dims=...): parameter {fqn!r} has placement {param.placements[i]} on the "
-                f"data-parallel mesh dim {names[i]!r}; it must be Replicate() there"
-            )
 
 
 def _alloc_storage(t: torch.Tensor) -> None:

@@ -9,6 +9,8 @@ reduction in flight, the end of backward). Each state runs its group through the
     post_forward  reshard if asked, hook the outputs so pre_backward runs on their grads
     pre_backward  unshard again if resharded, prefetch the group next in backward
     post_backward reduce-scatter the gradients, reshard
+
+A ``Note [name]`` points to the invariant of that name in docs/design.md's Invariants section.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Iterator
-from enum import Enum, auto
+from enum import Enum, IntEnum, auto
 from types import FrameType
 from typing import Any
 
@@ -31,7 +33,7 @@ from torch.profiler import record_function as _record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import Ranks, all_reduce
-from .group import GroupState, ParamGroup, PendingReduce
+from .group import GradState, GroupState, ParamGroup, PendingReduce, transition
 from .param import OWNER_ATTR, ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import Streams
@@ -51,20 +53,43 @@ def _not_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class TrainingState(Enum):
-    """What a state is doing now."""
+    """Which phase a state is in; the memory its group holds is the group's ``GroupState``."""
 
-    IDLE = auto()  # between phases
-    FORWARD = auto()  # inside its module's forward (a group of several modules: its pass is open)
-    PRE_BACKWARD = auto()  # its outputs' gradients arrived; its backward is computing
+    IDLE = auto()  # entered by post-forward; the end of backward and reset() return every state here
+    FORWARD = auto()  # entered by pre-forward: its module's forward runs on the gathered group (several modules: the
+    #                   pass is open, ``to_run`` holds the members yet to run; leaving FORWARD empties it)
+    PRE_BACKWARD = auto()  # entered when its outputs' first gradient arrives: the group is gathered for backward
+    POST_BACKWARD = auto()  # entered by post-backward: its gradients went to the reduction; it stays until the end of
+    #                         backward unless another call of its module (a module called twice) reaches it again
 
 
-# the transitions ``FSDPState.move_to`` allows: forward may nest (a registered forward method calling forward), a backward
-# may reach a group whose pass is still open (a chunked loss); the end of backward and a reset send every state to IDLE
-_TRANSITIONS = {
-    TrainingState.IDLE: {TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
-    TrainingState.FORWARD: {TrainingState.IDLE, TrainingState.FORWARD, TrainingState.PRE_BACKWARD},
-    TrainingState.PRE_BACKWARD: {TrainingState.IDLE},
-}
+_IDLE, _FORWARD, _PRE, _POST = TrainingState
+# ``FSDPState.move_to``'s table. Besides the phases in order: a registered forward method calling forward nests them
+# (IDLE -> IDLE, FORWARD -> FORWARD); a backward may reach a group whose pass is open (a chunked loss), or its inputs
+# without its outputs (-> POST_BACKWARD); a module called twice, or recomputed after its post-backward, leaves
+# POST_BACKWARD for PRE_BACKWARD, POST_BACKWARD or FORWARD
+_TRANSITIONS = {_IDLE: {_IDLE, _FORWARD, _PRE, _POST}, _FORWARD: {_FORWARD, _IDLE, _PRE, _POST}, _PRE: {_POST},
+                _POST: {_PRE, _POST, _FORWARD}}
+
+
+class Callback(Enum):
+    """Whether the root's end-of-backward callback is queued on autograd's engine."""
+
+    IDLE = auto()  # no backward under way: entered at the end of finalize_backward and by reset()
+    QUEUED = auto()  # entered when the first backward hook of a backward runs; left by finalize_backward
+
+
+_CALLBACK_TRANSITIONS = {Callback.IDLE: {Callback.QUEUED}, Callback.QUEUED: {Callback.IDLE}}
+
+
+class Seen(IntEnum):
+    """A column of the skipped-module agreement's table (``_agree_on_skipped``): what a rank's forward did with a group,
+    one-hot in the first three; after the MAX all-reduce, 1 where any rank saw it."""
+
+    UNTOUCHED = 0  # its module did not run and it was not gathered
+    SKIPPED = 1  # gathered (prefetched, or unshard()) but its module did not run
+    RAN = 2  # its module ran forward
+    HELD = 3  # not a case: it holds gradients accumulated with gradient sync off
 
 
 class RootContext:
@@ -76,7 +101,7 @@ class RootContext:
         self.forward_order: list[FSDPState] = []  # pre-forward order, this iteration
         self.prev_forward_order: list[FSDPState] = []  # ... of the last iteration: forward prefetch
         self.post_forward_order: list[FSDPState] = []  # reversed, the backward order
-        self.callback_queued = False
+        self.callback = Callback.IDLE
         # reductions in flight, oldest first: at most max_in_flight after a post-backward (default 1:
         # the previous group's is finished once the next is issued; set_reduce_scatter_max_input_buffers)
         self.pending: list[PendingReduce] = []
@@ -91,23 +116,26 @@ class RootContext:
             pending.group.finish_reduce(pending)
 
     def resolve_max_in_flight(self) -> None:
-        self.max_in_flight = max((s.group.max_input_buffers for s in self.states if s.group is not None), default=1)
+        groups = [s.group for s in self.states if s.group is not None]
+        self.max_in_flight = max((g.options.max_input_buffers for g in groups), default=1)
 
     def queue_finalize(self) -> None:
         """Once per backward: have autograd call ``finalize_backward`` when it is done."""
-        if not self.callback_queued:
-            self.callback_queued = True
+        if self.callback is Callback.IDLE:
+            self.callback = transition("the root's callback", _CALLBACK_TRANSITIONS, self.callback, Callback.QUEUED)
             Variable._execution_engine.queue_callback(self.finalize_backward)
 
     def finalize_backward(self) -> None:
-        """End of backward: settle groups autograd did not reach."""
+        """End of backward: settle groups autograd did not reach. Note [one post-backward per backward]: every group
+        still DUE or AT_END is reduced here, so none owes a reduction once this returns."""
         with record_function("fully_shard::finalize_backward"):
             for state in self.states:
                 group = state.group
-                if group is not None and (group.needs_post_backward or group.has_unsharded_grads()):
+                if group is not None and (group.grad_state is not GradState.NONE or group.has_unsharded_grads()):
                     # inputs needed no gradient, or params unused; or gradients that arrived after this group's post-backward
                     # ran: a backward over part of the graph (a chunked loss) settles every group, then a later one reaches it
-                    group.reduce_at_end = False
+                    if group.grad_state is GradState.AT_END:
+                        group.move_grads(GradState.DUE)  # the end has come: Note [same collectives everywhere]
                     state.post_backward(self)
             # not the last backward (pipelining's microbatches): reductions may overlap the next forward, but not one
             # whose hooks step an optimizer: torch's FSDP2 runs them within this backward, before that forward
@@ -116,25 +144,23 @@ class RootContext:
                     self.finish_reduce()
             self.streams.wait_host()  # offloaded gradients in pinned memory: copied before the optimizer reads them
             for state in self.states:
-                state.move_to(TrainingState.IDLE)
-                state.to_run.clear()  # passes opened by members called on their own
+                state.move_to(TrainingState.IDLE, end=True)  # closes passes opened by members called on their own
                 group = state.group
-                if group is not None and group.state is not GroupState.SHARDED and group.reshard_after_backward:
+                if group is not None and group.state is not GroupState.SHARDED and group.options.reshard_after_backward:
                     group.reshard()  # prefetched but never used, or kept after forward for a backward that never came
             self.post_forward_order = []
-            self.callback_queued = False
+            self.callback = transition("the root's callback", _CALLBACK_TRANSITIONS, self.callback, Callback.IDLE)
 
     def reset(self) -> None:
         """Drop everything an aborted forward or backward left behind."""
         self.pending = []  # their peers may have failed: never wait on them
         for state in self.states:
-            state.move_to(TrainingState.IDLE)
-            state.to_run.clear()
+            state.move_to(TrainingState.IDLE, end=True)
             if state.group is not None:
                 state.group.reset()
         self.forward_order = []
         self.post_forward_order = []
-        self.callback_queued = False
+        self.callback = Callback.IDLE
 
 
 class _PostBackward(torch.autograd.Function):
@@ -179,10 +205,11 @@ class FSDPState:
         if group is not None:
             _register_state_dict_hooks(group)
 
-    def move_to(self, state: TrainingState) -> None:
-        if state not in _TRANSITIONS[self.training_state]:
-            raise AssertionError(f"fully_shard internal error: {self._name()} cannot go from {self.training_state.name} to {state.name}")
-        self.training_state = state
+    def move_to(self, state: TrainingState, end: bool = False) -> None:
+        """Checked against the table, but at the end of backward (or a reset), which returns any state to IDLE."""
+        self.training_state = state if end else transition(self._name(), _TRANSITIONS, self.training_state, state)
+        if state is not TrainingState.FORWARD:
+            self.to_run.clear()
 
     def _name(self) -> str:
         """Its module(s) for messages: by fully-qualified name once the root is known."""
@@ -358,7 +385,7 @@ class FSDPState:
                 self._prefetch(self._forward_prefetch_targets(ctx))
             ctx.forward_order.append(self)
             if torch.is_grad_enabled() and self.group is not None:
-                self.group.needs_post_backward = True
+                self.group.owe_post_backward()
                 args, kwargs = self._hook_inputs(ctx, args, kwargs)
         return args, kwargs
 
@@ -371,7 +398,6 @@ class FSDPState:
             if self.group is not None and self.reshard_after_forward:
                 self.group.reshard(keep=self.post_forward_ranks)
             self.move_to(TrainingState.IDLE)
-            self.to_run.clear()
             if torch.is_grad_enabled():
                 self._post_forward_index = len(ctx.post_forward_order)
                 ctx.post_forward_order.append(self)
@@ -391,7 +417,7 @@ class FSDPState:
         if ctx.forward_order:
             ctx.prev_forward_order = ctx.forward_order
         ctx.forward_order = []
-        if not any(s.group is not None and s.group.needs_post_backward for s in ctx.states):
+        if not any(s.group is not None and s.group.grad_state is not GradState.NONE for s in ctx.states):
             ctx.post_forward_order = []  # no backward is owed: any older order is stale
         if self.device.type != "cpu":
             args, kwargs = _map_tensors(lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
@@ -424,34 +450,42 @@ class FSDPState:
             if state is not self and state.to_run and state.training_state is TrainingState.FORWARD:
                 output = state.post_forward(output)
         ran = {id(s) for s in ctx.forward_order}
-        flagged: dict[int, list[tuple[FSDPState, ParamGroup, int]]] = {}  # by mesh; 0 untouched, 1 gathered only, 2 ran
+        flagged: dict[int, list[tuple[FSDPState, ParamGroup, Seen]]] = {}  # by mesh
         for state in ctx.states:
             if gathered := (group := state.group) is not None and group.is_unsharded and id(state) not in ran:
                 group.reshard()
-            if group is not None and group.reduce_scatter_unused_params and group.requires_gradient_sync and torch.is_grad_enabled():
-                flagged.setdefault(id(group.mesh_info), []).append((state, group, 2 if id(state) in ran else int(gathered)))
+            if (group is not None and (o := group.options).reduce_scatter_unused_params and o.requires_gradient_sync
+                    and torch.is_grad_enabled()):
+                case = Seen.RAN if id(state) in ran else Seen.SKIPPED if gathered else Seen.UNTOUCHED
+                flagged.setdefault(id(group.mesh_info), []).append((state, group, case))
         for pairs in flagged.values():
             self._agree_on_skipped(pairs)
         return output
 
-    def _agree_on_skipped(self, pairs: list[tuple[FSDPState, ParamGroup, int]]) -> None:
+    def _agree_on_skipped(self, pairs: list[tuple[FSDPState, ParamGroup, Seen]]) -> None:
         """reduce_scatter_unused_params: a group gathered but skipped on some ranks reduces zeros there at the end of backward, elsewhere
         when its backward ends: the reduce-scatters would pair up wrongly. One small all-reduce per mesh finds such groups (and those run
-        nowhere that hold gradients accumulated with sync off); every rank reduces them at the end."""
-        seen = torch.tensor([[c == 0, c == 1, c == 2, any(p.accumulated_grad is not None for p in g.params)] for _, g, c in pairs],
-                            dtype=torch.float, device=self.device)  # per group, anywhere: untouched, skipped, ran; holds gradients
+        nowhere that hold gradients accumulated with sync off); every rank reduces them at the end.
+
+        Note [same collectives everywhere]: whether a group reduces, and when, must be decided alike on every rank, so
+        the decision reads only the all-reduced table."""
+        holds = [any(p.accumulated_grad is not None for p in g.params) for _, g, _ in pairs]
+        rows = [[c is case or (c is Seen.HELD and h) for c in Seen] for (_, _, case), h in zip(pairs, holds)]
+        seen = torch.tensor(rows, dtype=torch.float, device=self.device)  # a row per group, columns Seen
         infos = {id(i): i for _, g, _ in pairs for i in (g.mesh_info, *(p.mesh_info for p in g.params))}  # shard_placement_fn's too
         for ranks in (r for i in infos.values() for r in (i.shard, i.replicate) if r is not None and r.size > 1):
             all_reduce(seen, ranks.group, torch.distributed.ReduceOp.MAX, "exchange of the modules skipped per rank")
-        for (state, group, _), (untouched, skipped, ran, held) in zip(pairs, seen.tolist()):
-            if (untouched and (skipped or ran)) or (skipped and ran and state.reshard_after_forward and group.unshard_in_backward):
+        for (state, group, _), row in zip(pairs, seen.tolist()):
+            untouched, skipped, ran, held = (bool(row[c]) for c in Seen)  # on some rank
+            if (untouched and (skipped or ran)) or (skipped and ran and state.reshard_after_forward and group.options.unshard_in_backward):
                 how = "was not all-gathered on the others" if untouched else "resharded after it: its backward all-gathers there only"
                 raise RuntimeError(f"fully_shard: {state._name()} ran forward on some ranks only and {how}. A module that may skip "
                                    "forward on a rank (mixture-of-experts routing) must be gathered on every rank: list it in "
                                    "set_modules_to_forward_prefetch of a module that runs everywhere (or call its unshard()), "
                                    "and give it reshard_after_forward=False.")
-            group.reduce_at_end = bool((skipped or untouched) and (ran or held))  # run nowhere, none held: no gradient
-            group.needs_post_backward |= group.reduce_at_end
+            at_end = (skipped or untouched) and (ran or held)  # run nowhere, none held: no gradient
+            if at_end != (group.grad_state is GradState.AT_END):  # this forward's agreement differs from the last one's
+                group.move_grads(GradState.AT_END if at_end else GradState.DUE)
 
     def _forward_prefetch_targets(self, ctx: RootContext) -> list[FSDPState]:
         if self.forward_prefetch is not None:
@@ -484,8 +518,8 @@ class FSDPState:
             if self.group is not None:
                 # a backward reached this group: it owes a post-backward, even when several
                 # forwards ran before their backwards (pipelining: F0 F1 B0 B1)
-                self.group.needs_post_backward = True
-                if self.group.unshard_in_backward:
+                self.group.owe_post_backward()
+                if self.group.options.unshard_in_backward:
                     self.group.unshard()
                     self._prefetch(self._backward_prefetch_targets(ctx))
 
@@ -495,7 +529,7 @@ class FSDPState:
         i = self._post_forward_index
         if 0 < i < len(ctx.post_forward_order) and ctx.post_forward_order[i] is self:
             target = ctx.post_forward_order[i - 1]
-            if target.group is not None and target.group.needs_post_backward:
+            if target.group is not None and target.group.grad_state is not GradState.NONE:
                 return [target]
         return []
 
@@ -504,14 +538,16 @@ class FSDPState:
             ctx.queue_finalize()
             group = self.group
             if group is not None:
-                if group.reshard_after_backward:
+                if group.options.reshard_after_backward:
                     group.reshard()  # first: the full parameters are freed before the reduce-scatter buffers exist
-                with torch.no_grad():  # a group skipped on some rank: at the end of backward
-                    pending = None if group.reduce_at_end else group.reduce_grads()
+                # Note [same collectives everywhere]: reduce-scatters go out in autograd's order, the same everywhere;
+                # a group skipped on some rank waits for the end of backward, which reduces it on every rank in order
+                with torch.no_grad():
+                    pending = None if group.grad_state is GradState.AT_END else group.reduce_grads()
                 if pending is not None:
                     ctx.finish_reduce(keep=ctx.max_in_flight - 1)  # the oldest, issued groups ago
                     ctx.pending.append(pending)
-            self.move_to(TrainingState.IDLE)
+            self.move_to(TrainingState.POST_BACKWARD)
 
     def reset_iter_state(self) -> None:
         """Drop everything an aborted forward or backward left behind."""

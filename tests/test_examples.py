@@ -66,17 +66,28 @@ def test_train_example_runs_and_learns(tmp_path: object) -> None:
             assert f'"fully_shard::{phase}"' in trace, (rank, phase)
 
 
-def test_train_example_with_muon_learns() -> None:
+def _learns(*flags: str) -> str:
+    """A 6-step run of a small job with ``flags``: it exits 0 and its loss goes down; its stdout (and log)."""
     result = _run(
         ["--nproc", "2", "--steps", "6", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
-         "--optimizer", "muon", "--no-plot", "--no-progress"],
+         *flags, "--no-plot", "--no-progress"],
         timeout=150,
     )
     log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, log
-    assert "MuonAdamW" in result.stdout, log
     losses = [float(m) for m in re.findall(r"^step\s+\d+/6 \| loss (\d+\.\d+)", result.stdout, re.M)]
     assert len(losses) >= 2 and losses[-1] < losses[0], log
+    return log
+
+
+def test_train_example_with_muon_learns() -> None:
+    log = _learns("--optimizer", "muon")
+    assert "MuonAdamW" in log, log
+
+
+def test_train_example_with_quantized_collectives_learns() -> None:
+    log = _learns("--comm-quant", "int4", "--comm-quant-block", "64")
+    assert "quantized collectives: (root): weights int8, grads int4 (exact: tok_embeddings.weight, norm.weight)" in log, log
 
 
 def test_train_example_rejects_bad_flags() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from unittest import mock
 
 import expecttest
 import pytest
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fully_shard import fully_shard
+from fully_shard import mesh as mesh_module
 from support.collectives import CollectiveRecorder
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
@@ -195,6 +197,48 @@ all_reduce  4  13501
         # one shard: the whole parameters, all-reduced over the 4 replicas
         root, block = _derived_sizes(1)
         self.assertEqual(_sizes(table), {"all_reduce 4": {root, block}})
+
+
+# -- reshard_after_forward=k: one set of k-rank process groups per mesh and k, not one per call ----------------------
+
+
+def _groups_and_steps(n_layers: int, reshard: bool | int, use_torch: bool) -> dict[str, object]:
+    """The process groups this rank joins (``pg_map`` growth) and our ``new_group`` calls while a model of
+    ``n_layers`` blocks is sharded with ``reshard`` on 4 ranks (8 blocks: one mesh object; 32: ``mesh=None``, a new,
+    equal mesh per call), then 2 AdamW steps: losses and parameters."""
+    mesh_module._k_rank_groups.clear()  # as in a new world: earlier tests in this worker may have made these groups
+    args = ModelArgs(n_layers=n_layers, dim=16, n_heads=2, ffn_dim=24)
+    model, mesh = Transformer(args), _mesh((4,)) if n_layers == 8 else None
+    shard_fn = torch_fully_shard if use_torch else fully_shard
+    before = len(dist.distributed_c10d._world.pg_map)
+    with mock.patch.object(dist, "new_group", wraps=dist.new_group) as new_group:
+        _shard(model, shard_fn, mesh, reshard)
+    joined = len(dist.distributed_c10d._world.pg_map) - before
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        x = batch(step, dist.get_rank(), args)
+        losses.append(train_step({"m": model}, {"m": opt}, x, loss_fn)["m"])
+    return {"joined": joined, "new_group": new_group.call_count, "losses": losses,
+            "params": [p.full_tensor() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("n_layers", [8, 32])
+def test_reshard_to_2_ranks_makes_one_set_of_groups(n_layers: int) -> None:
+    """Every call with the same mesh ranks and k shares one set of groups (torch: a set per call, an NCCL communicator
+    each); training is bitwise ``reshard_after_forward=True``'s: the backward all-gather within 2 ranks rebuilds the same
+    parameters, the reduce-scatter is the same."""
+    ours = run_distributed(_groups_and_steps, 4, n_layers, 2, False)
+    plain = run_distributed(_groups_and_steps, 4, n_layers, True, False)
+    for rank, (a, b) in enumerate(zip(ours, plain)):
+        # the set on 4 ranks: [0, 1] and [2, 3], made by every rank (new_group is collective), this rank in one
+        assert (a["joined"], a["new_group"], b["joined"]) == (1, 2, 0), (rank, a["joined"], a["new_group"], b["joined"])
+        assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"])), (rank, a["losses"], b["losses"])
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
+    if n_layers == 8:  # what torch's FSDP2 does instead: a 2-D post-forward mesh per call, 2 groups each
+        theirs = run_distributed(_groups_and_steps, 4, n_layers, 2, True)
+        assert [t["joined"] for t in theirs] == [2 * n_layers] * 4
+        assert all(torch.equal(x, y) for a, t in zip(ours, theirs) for x, y in zip(a["losses"], t["losses"]))
 
 
 def _all_reduce_off(use_torch: bool) -> list[torch.Tensor]:

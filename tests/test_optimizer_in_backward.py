@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -85,10 +87,12 @@ def _hooks_like_torch(case: str) -> dict[str, Any]:
               for name in ("ours", "torch")}
     when: list[Any] = [None]  # (step, micro-batch) while that backward runs, "outside" between them
     logs: dict[str, list[tuple[Any, ...]]] = {name: [] for name in models}
+    handles = []  # removed at the end: a hook holding its parameter is a cycle gc cannot free (leaks into later tests)
     for name, model in models.items():
         sharded = list(model.parameters())  # outside forward and backward: the sharded parameters
         for pname, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(functools.partial(_record, logs[name], pname, p, when, sharded))
+            handles.append(p.register_post_accumulate_grad_hook(functools.partial(_record, logs[name], pname, p, when,
+                                                                                   sharded)))
     steps, ref_grads = 2, []
     for name, model in (*models.items(), ("ref", ref)):
         for step in range(steps):
@@ -106,6 +110,8 @@ def _hooks_like_torch(case: str) -> dict[str, Any]:
                 average_gradients(ref)
                 ref_grads.append({n: rows(p.grad, shard_size, shard_rank) for n, p in ref.named_parameters()})
             model.zero_grad(set_to_none=True)
+    for handle in handles:
+        handle.remove()
     ours, theirs = logs["ours"], logs["torch"]
     assert [e[:5] for e in ours] == [e[:5] for e in theirs], (
         "hooks differ from torch's FSDP2 (name, (step, micro-batch), grad dtype, device, placements):\n"
@@ -150,8 +156,7 @@ def _in_backward_vs_step(opt_name: str, hsdp: bool, micro: int, local: bool) -> 
               "torch": _shard(copy.deepcopy(ref), False, device_mesh)}
     step_opt = make(models["step"].parameters(), **kw)  # the usual step, on the DTensors
     factory: Any = (lambda ps, **k: local_step(make(ps, **k))) if local else make
-    in_backward(models["ours"], factory, **kw)
-    in_backward(models["torch"], factory, **kw)
+    in_backwards = [in_backward(models["ours"], factory, **kw), in_backward(models["torch"], factory, **kw)]
     ref_opt = ShardwiseOptimizer(ref.parameters(), shard_size, lambda ps: make(ps, **kw))
     worst = 0.0
     for step in range(3):
@@ -176,6 +181,8 @@ def _in_backward_vs_step(opt_name: str, hsdp: bool, micro: int, local: bool) -> 
         for name in ("ours", "torch"):
             close(losses[name], losses["step"], 0.0, f"step {step}: {name} in backward vs the usual step, loss")
         close(losses["ours"], losses["ref"], ref_tol("loss"), f"step {step}: loss vs reference")
+    for hooks in in_backwards:
+        hooks.remove()  # else the models outlive this call (a cycle through the hooks) and skew later memory tests
     params = {name: dict(m.named_parameters()) for name, m in models.items()}
     for name, p in params["ours"].items():
         # bitwise: an elementwise optimizer updates each element from the same element, in backward or after it
@@ -213,6 +220,16 @@ def test_in_backward_on_a_plain_model_and_its_errors() -> None:
         assert all(p.grad is None for p in model.parameters())
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+    # remove(): backward leaves the gradients in .grad again, and nothing holds the model any more
+    optimizers.remove()
+    optimizers.remove()  # idempotent
+    model(torch.ones(1, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))  # no step ran
+    alive = weakref.ref(model[0].weight)
+    del model, optimizers, p, q
+    gc.collect()
+    assert alive() is None, "the model outlived in_backward's remove()"
     frozen = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match=r"in_backward: the module Linear has no parameter that requires grad \(2 parameters"):
         in_backward(frozen, torch.optim.SGD, lr=0.1)

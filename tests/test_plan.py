@@ -374,6 +374,9 @@ def test_plan_accepts_models_and_checks_arguments() -> None:
         plan(_small, 2, shard_fn=lambda m, mesh: None, wrap={FeedForward})
     with pytest.raises(ValueError, match="must call fully_shard on the model"):
         plan(_small, 2, shard_fn=lambda m, mesh: None)
+    # reshard_after_forward=k: one set of k-rank groups for all 4 calls (3 blocks and the root), as fully_shard makes
+    assert "one set of 2-rank process groups (4 in all, this rank in 1), shared by the 4 calls" in " ".join(
+        plan(_small, (2, 4), reshard_after_forward=2).notes)
     offload = plan(_small, 2, offload_policy=__import__("fully_shard").CPUOffloadPolicy())
     # derived from the model and torch.chunk, not from the planner: rank 0 of 2 holds the first
     # piece of each fp32 parameter, and AdamW keeps a gradient plus two states like it

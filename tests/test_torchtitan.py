@@ -4,9 +4,10 @@ divide factor 1.0, selective activation checkpointing) and its ``ChunkedLossWrap
 model's forward skips ``lm_head``; the wrapper drives the head's group by hand and runs one
 backward per chunk, then one through the decoder), 3 steps with its ``clip_grad_norm_``.
 
-torchtitan imports torch's FSDP2 by name, so the run on ours patches those names (in
-``torchtitan.distributed.fsdp`` and the ``FSDPModule`` that ``ChunkedLossWrapper`` checks)
-for the duration of the call. CPU workarounds, as torchtitan's trainer assumes a GPU: its
+The run on ours goes through the switch, ``fully_shard.install()`` (docs/frameworks.md): torchtitan's
+``from torch.distributed.fsdp import fully_shard, ...`` ran before it and is rebound, and the ``FSDPModule``
+that ``ChunkedLossWrapper`` imports when called is ours; nothing of torchtitan's FSDP code is patched. CPU
+workarounds, as torchtitan's trainer assumes a GPU: its
 triton kernels module is stubbed (the expert-parallel path, unused here), its device type is
 set to ``cpu``, and each block's inner attention is torchtitan's ``ScaledDotProductAttention``
 (FlexAttention needs compiled kernels). ``spmd_backend="partial_dtensor"``: the default
@@ -52,27 +53,24 @@ def _stub_triton_kernels() -> None:
 
 
 @contextlib.contextmanager
-def _fsdp_names(impl: str) -> Iterator[None]:
-    """torchtitan on CPU, and (``impl == "ours"``) on fully_shard instead of torch's FSDP2."""
-    import torch.distributed._composable.fsdp as composable
-    import torchtitan.distributed.fsdp as tt_fsdp
+def _torchtitan_on_cpu(impl: str) -> Iterator[None]:
+    """torchtitan on CPU (its device type, a module global read when it builds meshes), and (``impl == "ours"``)
+    on fully_shard through the switch: ``fully_shard.install()``, nothing of torchtitan's patched."""
     import torchtitan.distributed.parallel_dims as tt_dims
 
-    names = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy")
-    saved = [(composable, "FSDPModule", composable.FSDPModule), (tt_dims, "device_type", tt_dims.device_type)]
-    saved += [(tt_fsdp, n, getattr(tt_fsdp, n)) for n in names]
-    tt_dims.device_type = "cpu"
-    if impl == "ours":
-        import fully_shard
+    import fully_shard
 
-        composable.FSDPModule = fully_shard.FSDPModule
-        for n in names:
-            setattr(tt_fsdp, n, getattr(fully_shard, n))
+    saved = tt_dims.device_type
+    tt_dims.device_type = "cpu"
+    replaced = fully_shard.install() if impl == "ours" else []
     try:
+        # torchtitan.distributed.fsdp bound torch's names at its import, before install(): rebound
+        assert impl != "ours" or "torchtitan.distributed.fsdp.fully_shard" in replaced, replaced
         yield
     finally:
-        for module, n, value in saved:
-            setattr(module, n, value)
+        tt_dims.device_type = saved
+        if replaced:
+            fully_shard.uninstall()
 
 
 def _full(t: Any) -> Any:
@@ -102,7 +100,7 @@ def _train(impl: str, steps: int) -> dict[str, Any]:
     with torch.no_grad():
         full_model.init_weights(buffer_device=None)
     full = {name: p.detach() for name, p in full_model.named_parameters()}
-    with _fsdp_names(impl):
+    with _torchtitan_on_cpu(impl):
         if impl == "ref":  # the unsharded model, gradients summed across ranks below
             model = full_model
         else:
@@ -161,6 +159,7 @@ def _train(impl: str, steps: int) -> dict[str, Any]:
             name.replace("_checkpoint_wrapped_module.", ""): _full(p).detach().clone() for name, p in model.named_parameters()
         }
         out["is_fsdp_module"] = impl == "ref" or isinstance(model.lm_head, sys.modules["torch.distributed._composable.fsdp"].FSDPModule)
+        out["sharded_by"] = {c.__module__ for m in model.modules() for c in type(m).__mro__ if c.__name__ == "FSDPModule"}
     return out
 
 
@@ -174,6 +173,8 @@ def test_torchtitan_llama3_chunked_loss_matches_torch_fsdp2() -> None:
     for rank in range(2):
         a, b = ours[rank], theirs[rank]
         assert a["is_fsdp_module"] and b["is_fsdp_module"]  # the wrapper drove the head's group
+        assert a["sharded_by"] == {"fully_shard.api"}, a["sharded_by"]  # parallelize_llama called ours
+        assert b["sharded_by"] == {"torch.distributed.fsdp"}, b["sharded_by"]
         # same program, same ops in the same order (see the module docstring): bitwise
         assert a["loss"] == b["loss"], (a["loss"], b["loss"])
         assert a["grad_norm"] == b["grad_norm"], (a["grad_norm"], b["grad_norm"])

@@ -8,7 +8,7 @@ DTensors' local tensors, at plain-tensor speed; ``in_backward`` steps one optimi
 parameter inside backward. See docs/optimizers.md.
 """
 
-from .backward import in_backward
+from .backward import InBackward, in_backward
 from .local import ELEMENTWISE_OPTIMIZERS, local_step
 from .muon import Muon, newton_schulz
 from .muon_adamw import MuonAdamW, muon_param_groups
@@ -26,5 +26,6 @@ __all__ = [
     "newton_schulz_flops",
     "local_step",
     "in_backward",
+    "InBackward",
     "ELEMENTWISE_OPTIMIZERS",
 ]

@@ -13,15 +13,36 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["in_backward"]
+__all__ = ["InBackward", "in_backward"]
 
 OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
 
 
+class InBackward(dict[nn.Parameter, OptimizerT]):
+    """The optimizers ``in_backward`` made, by parameter, and the hooks that step them.
+
+    A parameter's hook holds its optimizer, which holds the parameter: Python's garbage collector cannot free that
+    cycle (a tensor's hooks are not traversed; plain torch's post-accumulate-grad hooks leak the same way), so the
+    model lives as long as the hooks do. ``remove()`` takes the hooks off: backward then leaves the gradients in
+    ``.grad`` and the model and its optimizers can be freed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._handles: list[RemovableHandle] = []
+
+    def remove(self) -> None:
+        """Take every hook off (idempotent); the optimizers keep their state."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
 def in_backward(
     params: nn.Module | Iterable[nn.Parameter], optimizer: Callable[..., OptimizerT], /, **kwargs: Any
-) -> dict[nn.Parameter, OptimizerT]:
+) -> InBackward[OptimizerT]:
     """Give every parameter that requires grad an optimizer of its own, ``optimizer([param], **kwargs)``, stepped from
     the parameter's post-accumulate-grad hook, which then frees the gradient (``zero_grad(set_to_none=True)``). Returns
     the optimizers, by parameter: for LR schedulers (one per optimizer) and checkpoints (``get_state_dict(model,
@@ -33,7 +54,8 @@ def in_backward(
     parameter, gradient and states) the parameters are then bitwise those of ``optimizer.step()`` after backward.
     What needs every gradient before any step cannot run this way: ``clip_grad_norm_`` (the global norm), gradient
     scaling with an inf check over all gradients, an optimizer that reads other parameters. Do not call
-    ``step()`` / ``zero_grad()`` yourself; the hooks stay registered for the parameters' lifetime.
+    ``step()`` / ``zero_grad()`` yourself; the hooks stay registered until ``remove()`` (and keep the model alive
+    until then: see :class:`InBackward`).
 
     Args:
         params: a module (its ``parameters()``) or parameters.
@@ -49,17 +71,18 @@ def in_backward(
         ...     loss_fn(model(x), y).backward()  # each parameter steps as its gradient lands
         ...     for s in schedulers:
         ...         s.step()
+        >>> optimizers.remove()  # done: gradients stay in .grad again, and the model can be freed
     """
     module = params if isinstance(params, nn.Module) else None
     found = list(params.parameters() if isinstance(params, nn.Module) else params)
-    optimizers: dict[nn.Parameter, OptimizerT] = {}
+    optimizers: InBackward[OptimizerT] = InBackward()
     for p in found:
         if p.requires_grad and p not in optimizers:
             opt = optimizer([p], **kwargs)
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"in_backward: optimizer([param]) must return a torch.optim.Optimizer, got {type(opt).__name__}")
             optimizers[p] = opt
-            p.register_post_accumulate_grad_hook(functools.partial(_step, opt))
+            optimizers._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_step, opt)))
     if not optimizers:
         what = f"the module {type(module).__name__} has" if module is not None else "the parameters given have"
         raise ValueError(f"in_backward: {what} no parameter that requires grad ({len(found)} parameters, all frozen "

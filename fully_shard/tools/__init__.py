@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ..param import ShardLayout, shard_layout
+from ..layout import ShardLayout, shard_layout
 
 if TYPE_CHECKING:  # the names below, for type checkers; loaded by __getattr__ at first use
     from .clip import clip_grad_norm_

@@ -79,7 +79,7 @@ def _init_on_full(module: nn.Module, fn: Callable[[nn.Module], None], sharded: d
         sp = sharded.get(id(p))
         if sp is None or sp.sharded_param is not p:
             continue
-        if sp.tp_spec is not None:
+        if sp.mesh_layout.tp_spec is not None:
             raise NotImplementedError(
                 f"materialize() cannot initialise the tensor-parallel parameter {sp.fqn!r}; "
                 "initialise it with DTensor operations after model.to_empty()"
@@ -90,7 +90,7 @@ def _init_on_full(module: nn.Module, fn: Callable[[nn.Module], None], sharded: d
     try:
         fn(module)
         for name, sp in swapped:
-            sp.local_shard.copy_(sp.local_part(module._parameters[name]))  # type: ignore[arg-type]
+            sp.local_shard.copy_(sp.layout.local_part(module._parameters[name]))  # type: ignore[arg-type]
     finally:
         for name, sp in swapped:
             module._parameters[name] = sp.sharded_param
@@ -142,5 +142,5 @@ def broadcast_full_state_dict(
                 target.copy_(full_state_dict[name])  # type: ignore[index]
             comm.broadcast(target, src, group)
             if sp is not None:
-                sp.local_shard.copy_(sp.local_part(target))
+                sp.local_shard.copy_(sp.layout.local_part(target))
             del target  # the full temporary, before the next one is allocated

@@ -212,14 +212,19 @@ def plan(
         opt = _Optimizer(optimizer, foreach, [p for p in sharded if p.sharded_param.requires_grad], on_device)
         step = measure_step(model, streams=streams, activations=acts, optimizer_step=opt.step)
     fields = _memory(step, model, on_device, opt) | _communication(step.collectives)
+    groups = [_group(s, model, step.collectives, shard, opt.states, on_device) for s in states if s.group is not None]
+    notes = ["CPU offload changes nothing on a CPU mesh: everything is host memory"] if offload and not streams else []
+    if kept := [r for s in states for r in s.post_forward_ranks.values()]:  # the runtime's own k-rank groups
+        k, mine = kept[0].size, len({id(r.group) for r in kept})
+        notes.append(f"reshard_after_forward={k}: one set of {k}-rank process groups ({replicate * shard // k} in all, "
+                     f"this rank in {mine}), shared by the {len(kept)} calls on this mesh (torch's FSDP2 makes a set "
+                     "per call)")
     return Plan(
         model=label, mesh_shape=shape, rank=rank, shard_size=shard, replicate_size=replicate,
         param_dtype=_dtype_name(root.mp_policy.param_dtype), reduce_dtype=_dtype_name(root.mp_policy.reduce_dtype),
         storage_dtypes=sorted({str(_dtype_name(p.dtype)) for p in sharded}), optimizer=optimizer, offload=offload,
         reshard_after_forward=reshard_setting(reshard_after_forward, shard), device_type=device_type,
-        groups=[_group(s, model, step.collectives, shard, opt.states, on_device)
-                for s in states if s.group is not None],
-        notes=["CPU offload changes nothing on a CPU mesh: everything is host memory"] if offload and not streams else [],
+        groups=groups, notes=notes,
         batch_size=batch_size, seq_len=seq_len, activation_checkpointing=activation_checkpointing,
         block_activation_bytes=block_act, activation_bytes=sum(a.kept + a.rest for a in acts.values()), **fields,
     )

@@ -1,0 +1,344 @@
+"""Fault-tolerant HSDP on torchft: ``fully_shard.tools.ft`` and ``examples/train.py --ft-enable``.
+
+In-process (tests/harness, gloo): the replicate reduction through a manager's all-reduce is plain HSDP's arithmetic
+(bitwise, ours and torch's FSDP2), the sharded state a recovering rank receives rebuilds the model and optimizer
+bitwise, and bad input raises naming the cause. End to end (marked ``long``; .ci/run runs them): a Lighthouse and 2
+replica groups x 2 workers of examples/train.py as subprocesses, workers SIGKILLed at chosen steps and places, the
+Lighthouse killed and restarted; oracles: the other replica group (bitwise), the same run with torch's FSDP2, and
+plain HSDP on a (2, 2) mesh without failures.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from fully_shard import fully_shard
+from fully_shard.optim import local_step
+from fully_shard.tools.ft import FaultTolerantHSDP, load_sharded_state_dict, sharded_state_dict
+from tests.harness import device_type, run_distributed
+from tests.models import ModelArgs, Transformer, batch, loss_fn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "examples", "train.py")
+IMPLS = {"ours": fully_shard, "torch": torch_fully_shard}
+
+
+class _Work:
+    def wait(self) -> bool:
+        return True
+
+
+class _Manager:
+    """torchft.Manager's interface as FaultTolerantHSDP uses it; ``allreduce`` averages over ``group`` as torchft
+    does (a sum, then a division by the number of participants)."""
+
+    def __init__(self, group: Any = None, step: int = 0) -> None:
+        self.group, self.step, self.calls, self.fns = group, step, 0, {}
+
+    def allreduce(self, t: torch.Tensor) -> _Work:
+        self.calls += 1
+        dist.all_reduce(t, group=self.group)
+        t /= dist.get_world_size(self.group)
+        return _Work()
+
+    def register_state_dict_fn(self, key: str, load: Callable[..., Any], save: Callable[[], Any]) -> None:
+        self.fns[key] = (load, save)
+
+    def should_commit(self) -> bool:
+        return False
+
+    def current_step(self) -> int:
+        return self.step
+
+    def errored(self) -> None:
+        return None
+
+
+def _shard(model: Transformer, impl: str, mesh: Any) -> Transformer:
+    for block in model.layers:
+        IMPLS[impl](block, mesh=mesh)
+    IMPLS[impl](model, mesh=mesh)
+    return model
+
+
+def _step(model: Transformer, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    x = batch(step, rank)
+    loss_fn(model(x), x).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _locals(model: Transformer, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    state = sharded_state_dict(model, opt)
+    return [*state["model"].values(), *(v for e in state["optim"]["state"].values() for v in e.values())]
+
+
+# ---------------------------------------------------------------------------
+# in-process: the reduction, the state a recovering rank receives, errors
+# ---------------------------------------------------------------------------
+
+
+def _ft_equals_hsdp(impl: str) -> int:
+    """2 replica groups of 2 ranks: each group shards over its own 1-D mesh and reduces across groups through the
+    manager's all-reduce hook; the same steps on plain HSDP over the (2, 2) mesh."""
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("replicate", "shard"))
+    rank = dist.get_rank()
+    ref = Transformer()
+    ft_model, hsdp = _shard(copy.deepcopy(ref), impl, mesh["shard"]), _shard(copy.deepcopy(ref), impl, mesh)
+    ft_opt, hsdp_opt = (local_step(torch.optim.AdamW(m.parameters(), lr=1e-2)) for m in (ft_model, hsdp))
+    manager = _Manager(mesh.get_group("replicate"))
+    FaultTolerantHSDP(manager, ft_model, ft_opt)
+    for step in range(3):
+        _step(ft_model, ft_opt, step, rank)
+        _step(hsdp, hsdp_opt, step, rank)
+    for a, b in zip(_locals(ft_model, ft_opt), _locals(hsdp, hsdp_opt)):
+        assert torch.equal(a, b)
+    assert "fully_shard" in manager.fns
+    return manager.calls
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_replicate_reduction_through_the_manager_is_hsdp(impl: str) -> None:
+    calls = run_distributed(_ft_equals_hsdp, 4, impl)
+    assert calls == [3 * (ModelArgs().n_layers + 1)] * 4  # one all-reduce per group per step
+
+
+def _recover(impl: str) -> None:
+    """A rank that never stepped (another init, no optimizer state) receives a trained rank's shards: it then holds
+    its model and optimizer bitwise and trains on in lockstep."""
+    mesh = init_device_mesh(device_type(), (2,))
+    rank = dist.get_rank()
+    torch.manual_seed(1)
+    healthy = _shard(Transformer(), impl, mesh)
+    torch.manual_seed(2)
+    fresh = _shard(Transformer(), impl, mesh)
+    opts = [local_step(torch.optim.AdamW(m.parameters(), lr=1e-2)) for m in (healthy, fresh)]
+    for step in range(2):
+        _step(healthy, opts[0], step, rank)
+    opts[0].param_groups[0]["lr"] = 5e-3  # a scheduler's change travels with the state
+    sent = sharded_state_dict(healthy, opts[0])
+    load_sharded_state_dict(fresh, opts[1], {"model": {k: v.clone() for k, v in sent["model"].items()},
+                                             "optim": copy.deepcopy(sent["optim"])})
+    assert opts[1].param_groups[0]["lr"] == 5e-3
+    for p in fresh.parameters():
+        for v in opts[1].state[p].values():
+            assert not isinstance(v, torch.Tensor) or v.dim() == 0 or (
+                isinstance(v, DTensor) and v.placements == p.placements and v.shape == p.shape)
+    for step in range(2, 4):
+        _step(healthy, opts[0], step, rank)
+        _step(fresh, opts[1], step, rank)
+    for a, b in zip(_locals(healthy, opts[0]), _locals(fresh, opts[1])):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_recovery_from_sharded_state_is_bitwise(impl: str) -> None:
+    run_distributed(_recover, 2, impl)
+
+
+def _errors() -> list[str]:
+    mesh = init_device_mesh(device_type(), (2,))
+    model = _shard(Transformer(), "ours", mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    out = []
+    for call in (
+        lambda: FaultTolerantHSDP(_Manager(), torch.nn.Linear(2, 2), opt),
+        lambda: FaultTolerantHSDP(_Manager(), _shard(Transformer(), "ours", init_device_mesh(device_type(), (1, 2))), opt),
+        lambda: load_sharded_state_dict(model, opt, sharded_state_dict(_shard(Transformer(ModelArgs(dim=96)), "ours",
+                                                                              mesh))),
+        lambda: load_sharded_state_dict(model, opt, sharded_state_dict(Transformer(ModelArgs(n_layers=2)))),
+        lambda: FaultTolerantHSDP(_Manager(step=dist.get_rank()), model, opt).should_commit(),
+    ):
+        with pytest.raises((ValueError, RuntimeError)) as e:
+            call()
+        out.append(str(e.value))
+    return out
+
+
+def test_bad_input_and_a_split_group_raise_naming_the_cause() -> None:
+    messages = run_distributed(_errors, 2)[0]
+    assert "Linear has no FSDP module: call fully_shard" in messages[0]
+    assert "parameter 'logit_scale' is on a 2-D mesh: the replicate dimension is torchft's" in messages[1]
+    assert re.search(r"the state received for 'tok_embeddings\.weight' is \(\d+, 96\) .* every replica group must build "
+                     "the same model and shard it over the same number of ranks", messages[2]), messages[2]
+    assert "names other tensors than this model's (['layers.2." in messages[3]
+    assert "the ranks of this replica group disagree on the step (0 to 1) after a live recovery failed" in messages[4]
+
+
+def test_train_flags_and_the_fault_tolerance_table(capsys: Any) -> None:
+    """examples/llama_ft.toml's [fault_tolerance] keys are torchtitan's names for the --ft-* flags; bad combinations
+    are refused at parse time, naming the flags."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import train
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    args = train.parse_args(["--config", os.path.join(ROOT, "examples", "llama_ft.toml"), "--ft-kill", "1:1:10:optim"])
+    assert (args.ft_enable, args.ft_group_size, args.ft_min_replica_size, args.ft_max_restarts, args.ft_timeout) == (
+        True, 2, 1, 3, 60.0)
+    assert "--ft-kill=1:1:10:optim" in train.worker_argv(args) and "--ft-enable" in train.worker_argv(args)
+    for argv, message in ((["--ft-enable", "--hsdp", "2"], "--ft-enable and --hsdp: the replicate dimension is "
+                           "torchft's replica groups; use --ft-group-size"),
+                          (["--ft-enable", "--ckpt-dir", "x"], "--ft-enable and --ckpt-dir: a fault-tolerant job "
+                           "recovers from a live replica group"),
+                          (["--ft-kill", "1:1:10:later"], "expected REPLICA:RANK:STEP:WHERE with WHERE one of")):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# end to end: examples/train.py --ft-enable, a Lighthouse and 2 x 2 workers as subprocesses
+# ---------------------------------------------------------------------------
+
+SMALL = ["--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4", "--tokenizer", "bytes",
+         "--steps", "30", "--log-every", "1", "--no-plot", "--no-progress", "--digest"]
+FT = ["--ft-enable", "--nproc", "2", "--ft-group-size", "2", "--ft-timeout", "60"]
+DIGEST = re.compile(r"^digest (?:replica (\d) )?rank (\d): parameters (\w+) optimizer (\w+)$", re.M)
+
+
+def _run(args: list[str], deadline: float, on_line: Callable[[str], None] | None = None,
+         launcher: tuple[str, ...] = ()) -> str:
+    """examples/train.py (under ``launcher``, e.g. torchrun) in a session of its own (launcher, Lighthouse, workers);
+    all of it is killed when the run ends, fails or passes ``deadline`` seconds, so nothing outlives the test.
+    Returns the output."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, *launcher, TRAIN, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(deadline)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        reader.join(10)
+    out = "".join(lines)
+    assert proc.returncode == 0, f"examples/train.py {' '.join(args)} exited with {proc.returncode}:\n{out[-20000:]}"
+    return out
+
+
+def _digests(out: str, world: int = 4) -> dict[tuple[int, int], tuple[str, str]]:
+    """(replica, rank) -> (parameters, optimizer); plain HSDP's rank r of (2, 2) is replica r // 2, rank r % 2."""
+    found = {}
+    for replica, rank, params, optim in DIGEST.findall(out):
+        key = (int(replica), int(rank)) if replica else divmod(int(rank), 2)
+        assert key not in found, f"{key} printed twice:\n{out[-20000:]}"
+        found[key] = (params, optim)
+    assert sorted(found) == [divmod(r, 2) for r in range(world)], out[-20000:]
+    return found
+
+
+def _metrics(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _chaos(impl: str, tmp: str) -> tuple[str, dict[tuple[int, int], tuple[str, str]]]:
+    """Rank 1 of group 1 killed before step 10's forward; groups rejoin only at steps 14 and 24 (deterministic);
+    rank 0 of group 0 killed inside step 18's optimizer step, after its commit; with fully_shard, the Lighthouse
+    killed at step 26 and restarted by the launcher (a stall, no change to any step: not repeated with torch's)."""
+    pid: list[int] = []
+    killed: list[int] = []
+
+    def kill_lighthouse(line: str) -> None:
+        if not pid and (m := re.search(r"Lighthouse at \S+ \(pid (\d+)\)", line)):
+            pid.append(int(m.group(1)))
+        elif pid and not killed and impl == "ours" and re.match(r"\[replica \d\] step +26/30", line):
+            os.kill(pid[0], signal.SIGKILL)
+            killed.append(pid[0])
+
+    out = _run([*SMALL, *FT, "--fsdp", "fully_shard" if impl == "ours" else "torch", "--ft-join-at", "14,24",
+                "--ft-kill", "1:1:10:forward", "--ft-kill", "0:0:18:optim", "--metrics", os.path.join(tmp, "m.jsonl")],
+               deadline=400, on_line=kill_lighthouse)
+    assert killed or impl != "ours", out[-20000:]
+    return out, _digests(out)
+
+
+@pytest.mark.long
+def test_replica_groups_survive_kills_and_a_lighthouse_restart(tmp_path: Any) -> None:
+    runs = {impl: _chaos(impl, str(tmp_path / impl)) for impl in IMPLS}
+    for impl, (out, digests) in runs.items():
+        log = out[-20000:]
+        for rank in (0, 1):  # the replicas hold bitwise the same parameters and optimizer state
+            assert digests[0, rank] == digests[1, rank], (impl, log)
+        # each group restarted once and recovered live once; the Lighthouse restarted
+        assert out.count("restarting the group (restart 1 of 3)") == 2 and "restart 2 of" not in out, log
+        assert impl != "ours" or "the Lighthouse was killed by SIGKILL; restarting it" in out, log
+        assert "[replica 1] recovered live at step 13 " in out and "[replica 0] recovered live at step 23 " in out, log
+        # every step committed exactly once in each group's own history, averaged over the groups that ran it:
+        # group 0 alone for 10-13, group 1 alone for 19-23
+        alone = {0: set(range(10, 14)), 1: set(range(19, 24))}
+        for replica in (0, 1):
+            rows = _metrics(str(tmp_path / impl / f"m.replica{replica}.jsonl"))
+            steps = [r["step"] for r in rows]
+            assert len(steps) == len(set(steps)), (replica, steps)
+            assert {r["step"]: r["participants"] for r in rows} == {
+                s: 1 if s in alone[replica] else 2 for s in steps}, (replica, rows)
+            # the steps it received instead, while down (group 0's rank 0 died before logging step 18)
+            received = set(range(1, 31)) - set(steps)
+            assert received == (set(range(10, 14)) if replica == 1 else set(range(18, 24))), (replica, steps)
+            assert rows[-1]["step"] == 30 and rows[-1]["batches_committed"] == 2 * 30 - 4 - 5, rows[-1]
+    # torch's FSDP2 through the same failures: the same parameters, bitwise
+    assert {k: v[0] for k, v in runs["ours"][1].items()} == {k: v[0] for k, v in runs["torch"][1].items()}
+
+
+@pytest.mark.long
+def test_a_kill_during_live_recovery_restarts_both_groups_from_scratch() -> None:
+    """Rank 1 of group 0 is killed while it sends its state to group 1 (recovering from the kill at step 10): group 0
+    restarts; group 1 either errors out (its ranks disagree on the step: some recovered, some not) and restarts, or
+    none of its ranks recovered; both start again from step 0 and end as plain HSDP on a (2, 2) mesh ends."""
+    out = _run([*SMALL, *FT, "--ft-join-at", "14", "--ft-kill", "1:1:10:forward", "--ft-kill", "0:1:10:send"], 400)
+    hsdp = _run([*SMALL, "--nproc", "4", "--hsdp", "2"], 200)
+    assert "killing this worker (SIGKILL) at step 13 (send)" in out, out[-20000:]
+    # its rank 1 killed, rank 0 failing on its next collective: whichever the launcher sees first
+    assert re.search(r"replica group 0: worker \d (was killed by SIGKILL|exited with status 1); restarting the group",
+                     out), out[-20000:]
+    assert _digests(out) == _digests(hsdp)
+
+
+@pytest.mark.long
+def test_torchrun_restart_reconnects_and_resumes_exactly(tmp_path: Any) -> None:
+    """The torchrun path: rank 1 SIGKILLed before step 12's forward, torchrun restarts both workers, which reconnect
+    (each attempt has its own store keys: examples/train.py ``attempt_store``; without them a restart failed to
+    connect, or hung, in 2 of 4 jobs here) and resume from the checkpoint of step 10: the parameters and optimizer
+    state end bitwise as in the run without the kill."""
+    common = [*SMALL, "--steps", "16", "--ckpt-every", "5", "--resume", "--dist-timeout", "120"]
+    out = _run([*common, "--ckpt-dir", str(tmp_path / "a"), "--ft-kill", "0:1:12:forward"], 300,
+               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"))
+    plain = _run([*common, "--ckpt-dir", str(tmp_path / "b"), "--nproc", "2"], 200)
+    assert "killing this worker (SIGKILL) at step 12 (forward)" in out, out[-20000:]
+    assert "resumed from" in out and "step_10: step 10" in out, out[-20000:]
+    assert "connectFullMesh" not in out, out[-20000:]
+    assert _digests(out, 2) == _digests(plain, 2)
+
