@@ -121,7 +121,7 @@ _GRID = {
     **{f"max-inputs-{k}": _Config((2, 4), settings=lambda m, k=k: m.set_reduce_scatter_max_input_buffers(k)) for k in (1, 2, 3)},
     "bf16-fp32": _Config((2, 4), options={"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}),
     "no-reshard": _Config((2, 4), options={"reshard_after_forward": False}),
-    "reshard-int": _Config((4,), options={"reshard_after_forward": 2}),
+    "reshard-int": _Config((2, 4), options={"reshard_after_forward": 2}),  # at 2 ranks: the whole shard dim, as True
     "prefetch-lists": _Config((2, 4), settings=_prefetch_two),
     "keep-after-backward": _Config((2, 4), settings=lambda m: m.set_reshard_after_backward(False)),
     "hsdp": _Config((2, 4), mesh=lambda w: (2, w // 2)),
