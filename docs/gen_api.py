@@ -49,7 +49,7 @@ def _markdown(doc: str) -> str:
             body.pop()
         text = textwrap.dedent("\n".join(body))
         if name.startswith("Example"):
-            code = "\n".join(re.sub(r"^(>>> |\.\.\. ?)", "", b) for b in text.splitlines())
+            code = "\n".join(_code_line(b, ">>> " in text) for b in text.splitlines())
             out += ["**Example:**", "", "```python", code, "```", ""]
         elif name in ("Args", "Arguments"):
             out += ["**Arguments:**", ""]
@@ -64,6 +64,14 @@ def _markdown(doc: str) -> str:
             desc = re.sub(r":(?:class|func|meth|attr):`~?([^`]+)`", r"`\1`", desc)
             out += [f"**{name}:** {desc}", ""]
     return "\n".join(out).strip() + "\n"
+
+
+def _code_line(line: str, doctest: bool) -> str:
+    """A line of an ``Example::`` as Python: without the doctest prompts and directives (``# doctest: +SKIP``), and
+    the output a doctest shows as a comment."""
+    if doctest and line.strip() and not re.match(r"(>>>|\.\.\.)( |$)", line):
+        return "# " + line
+    return re.sub(r"^(>>> |\.\.\. ?)|\s*# doctest: .*$", "", line)
 
 
 class _Default:

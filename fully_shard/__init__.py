@@ -30,10 +30,7 @@ from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy
 
 if TYPE_CHECKING:  # the names below, for type checkers; loaded by __getattr__ at first use
     from .switch import install, uninstall
-    from .tools.clip import clip_grad_norm_
-    from .tools.debug import CollectiveMismatchError
-    from .tools.init import broadcast_full_state_dict, materialize
-    from .tools.planner import plan
+    from .tools import CollectiveMismatchError, broadcast_full_state_dict, clip_grad_norm_, materialize, plan
 
 __all__ = [
     # torch's FSDP2 names
@@ -47,18 +44,16 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_TOOLS = {"materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_", "CollectiveMismatchError"}
+# the names loaded at first use (PEP 562), so that importing fully_shard loads no tool; the switch is the one module
+# that imports torch's FSDP2 namespaces (to replace names there)
+_LAZY = {**dict.fromkeys(("install", "uninstall"), ".switch"), **dict.fromkeys(
+    ("materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_", "CollectiveMismatchError"), ".tools")}
 
 
 def __getattr__(name: str) -> Any:
-    """``fully_shard.plan`` and the other tools' names, each loaded from its module at first use (PEP 562): importing
-    fully_shard loads no tool. ``install``/``uninstall`` live in fully_shard.switch, the one module that imports
-    torch's FSDP2 namespaces (to replace names there): loaded when first asked for too."""
-    if name in ("install", "uninstall"):
-        return getattr(importlib.import_module(".switch", __name__), name)
-    if name not in _TOOLS:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(".tools", __name__), name)
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)
 
 
 if os.environ.get(DEBUG_ENV, "") == "1":  # the collective debug mode for the whole run, without a code change

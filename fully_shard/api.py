@@ -33,8 +33,11 @@ class ShardPlacementResult:
 
     Example::
 
+        >>> expert_mesh = mesh  # the ranks that hold the experts; here, the world of one rank
         >>> experts = set(moe.experts.parameters())  # sharded over the ranks of expert_mesh
-        >>> fully_shard(moe, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), expert_mesh) if p in experts else None)
+        >>> place = lambda p: ShardPlacementResult(Shard(0), expert_mesh) if p in experts else None
+        >>> fully_shard(moe, mesh=mesh, shard_placement_fn=place)
+        FSDPMoE(...)
     """
 
     placement: Shard | None
@@ -139,10 +142,13 @@ def fully_shard(
 
     Example::
 
-        >>> mesh = init_device_mesh("cpu", (world_size,))
+        >>> mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         >>> for block in model.layers:
         ...     fully_shard(block, mesh=mesh)
+        FSDPTransformerBlock(...)
+        FSDPTransformerBlock(...)
         >>> fully_shard(model, mesh=mesh)
+        FSDPTransformer(...)
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
         >>> model(tokens).sum().backward(); opt.step(); opt.zero_grad()
     """
@@ -315,6 +321,7 @@ def walk_params(modules: tuple[nn.Module, ...],
 
     Example::
 
+        >>> blocks = set(model.layers)  # as if earlier, inner calls had sharded them
         >>> [fqn for fqn, *_ in walk_params((model,), lambda m: m in blocks)]
         ['tok_embeddings.weight', 'norm.weight', 'output.weight']
     """
@@ -368,8 +375,10 @@ class UnshardHandle:
 
     Example::
 
+        >>> fully_shard(block)
+        FSDPTransformerBlock(...)
         >>> handle = block.unshard(async_op=True)
-        >>> ...  # overlap other work with the all-gather
+        >>> h = model.tok_embeddings(tokens)  # other work overlaps the all-gather
         >>> handle.wait()  # block's full parameters are now in place
     """
 
@@ -389,6 +398,8 @@ class FSDPModule:
     Example::
 
         >>> fully_shard(model)
+        FSDPTransformer(...)
+        >>> x1, x2 = tokens.chunk(2)  # two microbatches
         >>> model.set_requires_gradient_sync(False)  # accumulate gradients locally
         >>> model(x1).sum().backward()
         >>> model.set_requires_gradient_sync(True)
@@ -526,8 +537,10 @@ class FSDPModule:
 
         Example::
 
-            >>> fully_shard(moe_layer)  # router and all experts in one group
-            >>> moe_layer.set_reduce_scatter_unused_params(True)
+            >>> fully_shard(moe)  # router and all experts in one group
+            FSDPMoE(...)
+            >>> moe.set_reduce_scatter_unused_params(True)
+            >>> moe(torch.randn(3, 16)).sum().backward()  # three tokens: at least one expert left out
         """
         self._update(recurse, lambda g: replace(g.options, reduce_scatter_unused_params=reduce_scatter_unused_params))
 
@@ -538,7 +551,14 @@ class FSDPModule:
 
         Example::
 
-            >>> block.set_custom_all_gather(MyAllGather())  # e.g. all_gather_into_tensor in __call__
+            >>> class MyAllGather:
+            ...     def allocate(self, size, *, dtype, device):
+            ...         return torch.empty(size, dtype=dtype, device=device)
+            ...     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            ...         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            >>> fully_shard(block)
+            FSDPTransformerBlock(...)
+            >>> block.set_custom_all_gather(MyAllGather())
         """
         _check_comm(comm, "set_custom_all_gather")
         self._update(False, lambda g: replace(g.options, all_gather_comm=comm))
@@ -556,6 +576,9 @@ class FSDPModule:
 
         Example::
 
+            >>> other_replicas = dist.new_group()  # e.g. the ranks of a mesh dimension not given to fully_shard
+            >>> fully_shard(block)
+            FSDPTransformerBlock(...)
             >>> block.set_all_reduce_hook(lambda g: dist.all_reduce(g, group=other_replicas), stream=torch.Stream())
         """
         def change(group: ParamGroup) -> GroupOptions:
@@ -582,6 +605,8 @@ class FSDPModule:
 
         Example::
 
+            >>> fully_shard(model)
+            FSDPTransformer(...)
             >>> model.set_reduce_scatter_max_input_buffers(2)  # more overlap, two inputs' memory
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
@@ -615,6 +640,8 @@ class FSDPModule:
 
         Example::
 
+            >>> fully_shard(block)
+            FSDPTransformerBlock(...)
             >>> block.set_allocate_memory_from_process_group_for_comm(True)  # each module: not recursive, as in torch
         """
         def change(group: ParamGroup) -> GroupOptions:
@@ -633,7 +660,9 @@ class FSDPModule:
 
         Example::
 
-            >>> block.set_symm_mem_for_comm()  # an NCCL process group on GPUs
+            >>> fully_shard(block)
+            FSDPTransformerBlock(...)
+            >>> block.set_symm_mem_for_comm()  # an NCCL process group on GPUs  # doctest: +SKIP
         """
         def change(group: ParamGroup) -> GroupOptions:
             pg, device, o = group.mesh_info.shard.group, group.device, group.options
@@ -701,7 +730,8 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 
     Example::
 
-        >>> share_comm_ctx([stage0_model, stage1_model])
+        >>> stage0, stage1 = (fully_shard(block) for block in model.layers)  # two pipeline stages on this rank
+        >>> share_comm_ctx([stage0, stage1])
     """
     states = _states_of(None, modules, "share_comm_ctx")
     shared = Streams(states[0].device) if states else None
@@ -734,9 +764,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     Example::
 
+        >>> class LM(Transformer):
+        ...     def generate(self, prompt):  # greedy, one token per position; calls no forward of the root
+        ...         return self.output(self.norm(self.tok_embeddings(prompt))).argmax(-1)
+        >>> model = LM(args)
         >>> fully_shard(model)
+        FSDPLM(...)
         >>> register_fsdp_forward_method(model, "generate")
-        >>> model.generate(prompt)  # parameters gathered, then freed
+        >>> model.generate(tokens).shape  # parameters gathered, then freed
+        torch.Size([2, 8])
     """
     if not isinstance(module, FSDPModule):
         return

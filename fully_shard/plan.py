@@ -1,8 +1,5 @@
-"""``python -m fully_shard.plan``: the memory planner's command line (``fully_shard.tools.planner.cli``).
-
-Only run, never imported: ``fully_shard.plan`` is the planner function itself, which importing this file as a module
-would hide.
-"""
+"""``python -m fully_shard.plan``: the planner's command line. Never imported: ``fully_shard.plan`` is the planner
+function, which this module would hide."""
 
 import sys
 

@@ -27,6 +27,7 @@ class MixedPrecisionPolicy:
 
         >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         >>> fully_shard(block, mp_policy=policy)
+        FSDPTransformerBlock(...)
     """
 
     param_dtype: torch.dtype | None = None
@@ -60,6 +61,7 @@ class OffloadPolicy:
     Example::
 
         >>> fully_shard(block, offload_policy=OffloadPolicy())  # the default
+        FSDPTransformerBlock(...)
     """
 
 
@@ -73,6 +75,7 @@ class CPUOffloadPolicy(OffloadPolicy):
     Example::
 
         >>> fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=True))
+        FSDPTransformerBlock(...)
     """
 
     pin_memory: bool = True
@@ -89,8 +92,13 @@ class DataParallelMeshDims:
 
     Example::
 
-        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> from torch.distributed.tensor import distribute_module
+        >>> mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))  # e.g. (2, 2)
+        >>> block = distribute_module(block, mesh)  # parameters: DTensors on the whole mesh, replicated
         >>> fully_shard(block, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        FSDPTransformerBlock(...)
+        >>> block.attention.wq.weight.placements
+        (Shard(dim=0), Replicate())
     """
 
     shard: str | tuple[str, ...] | None = None

@@ -15,7 +15,6 @@ A ``Note [name]`` points to the invariant of that name in docs/design.md's Invar
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import sys
@@ -29,21 +28,15 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.profiler import record_function as _record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .comm import Ranks, all_reduce
+from .comm import Ranks, all_reduce, record_function
 from .group import GradState, GroupState, ParamGroup, PendingReduce, transition
 from .param import OWNER_ATTR, ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import Streams
 
 STATE_ATTR = "_fully_shard_state"
-
-
-def record_function(name: str) -> contextlib.AbstractContextManager[Any]:
-    """A phase's range in a profiler's trace; no-op without one (it would cost ~5 us a phase)."""
-    return _record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _not_traced(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -64,6 +64,9 @@ def test_train_example_runs_and_learns(tmp_path: object) -> None:
             trace = f.read()
         for phase in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
             assert f'"fully_shard::{phase}"' in trace, (rank, phase)
+        # each collective's range names its group, as torch's do
+        for name in ("all_gather layers.0", "all_gather layers.1", "reduce_scatter layers.1", "reduce_scatter layers.0"):
+            assert f'"fully_shard::{name}"' in trace, (rank, name)
 
 
 def _learns(*flags: str) -> str:

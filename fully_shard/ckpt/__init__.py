@@ -10,7 +10,12 @@ Example::
 
     >>> from fully_shard.ckpt import CheckpointManager, consolidate
     >>> manager = CheckpointManager("ckpt", interval=100, keep_latest_k=3)
-    >>> consolidate("ckpt/step_1000", "model.safetensors")  # on one process, no GPU
+    >>> for step in range(1, 201):  # training
+    ...     path = manager.maybe_save(step, lambda: {"model": model.state_dict()})
+    >>> manager.close()
+    >>> sd = consolidate(manager.latest(), "model.safetensors")  # on one process, no GPU
+    >>> sd["layers.0.attention.wq.weight"].shape
+    torch.Size([16, 16])
 """
 
 from .convert import consolidate, load_consolidated

@@ -41,8 +41,13 @@ def load_consolidated(
 
     Example::
 
-        >>> sd = load_consolidated("ckpt/step_1000")  # {"layers.0.attention.wq.weight": ...}
-        >>> model.load_state_dict(sd)  # an unsharded model of the same shapes
+        >>> from fully_shard.ckpt import save_checkpoint
+        >>> fully_shard(model)
+        FSDPTransformer(...)
+        >>> path = save_checkpoint({"model": model.state_dict()}, "ckpt", 1000)  # sharded: each rank writes its shards
+        >>> sd = load_consolidated(path)  # {"layers.0.attention.wq.weight": ..., ...}: full tensors
+        >>> Transformer(args).load_state_dict(sd)  # an unsharded model of the same shapes
+        <All keys matched successfully>
     """
     path = os.fspath(checkpoint)
     if not os.path.isfile(os.path.join(path, ".metadata")):
@@ -84,7 +89,11 @@ def consolidate(
 
     Example::
 
-        >>> consolidate("ckpt/step_1000", "model.safetensors", dtype=torch.bfloat16)
+        >>> from fully_shard.ckpt import save_checkpoint
+        >>> path = save_checkpoint({"model": model.state_dict()}, "ckpt", 1000)
+        >>> sd = consolidate(path, "model.safetensors", dtype=torch.bfloat16)
+        >>> sd["output.weight"].dtype, sd["output.weight"].shape
+        (torch.bfloat16, torch.Size([32, 16]))
     """
     state = load_consolidated(checkpoint, key=key, dtype=dtype)
     output = os.fspath(output)

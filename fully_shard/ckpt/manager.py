@@ -22,25 +22,27 @@ torch's FSDP2, HSDP, FSDP x TP.
 
 Example, exact resumption (see ``docs/checkpointing.md``)::
 
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from fully_shard.ckpt import CheckpointManager
-
-    def training_state(step):
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optim": optim_sd, "step": step}
-
-    manager = CheckpointManager("ckpt", interval=100, keep_latest_k=3, async_save=True)
-    step = 0
-    state = manager.load_latest(training_state(0))  # None when there is no checkpoint
-    if state is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        step = state["step"]
-    while step < total_steps:
-        train_one_step(step)
-        step += 1
-        manager.maybe_save(step, lambda: training_state(step), force=step == total_steps)
-    manager.close()  # waits for the last asynchronous save
+    >>> from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    >>> from fully_shard.ckpt import CheckpointManager
+    >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    >>> def training_state(step):
+    ...     model_sd, optim_sd = get_state_dict(model, optimizer)
+    ...     return {"model": model_sd, "optim": optim_sd, "step": step}
+    >>> manager = CheckpointManager("ckpt", interval=100, keep_latest_k=3, async_save=True)
+    >>> step, total_steps = 0, 3
+    >>> state = manager.load_latest(training_state(0))  # None when there is no checkpoint
+    >>> if state is not None:
+    ...     set_state_dict(model, optimizer, model_state_dict=state["model"],
+    ...                    optim_state_dict=state["optim"])
+    ...     step = state["step"]
+    >>> while step < total_steps:
+    ...     model(tokens).sum().backward(); optimizer.step(); optimizer.zero_grad()  # a training step
+    ...     step += 1
+    ...     path = manager.maybe_save(step, lambda: training_state(step), force=step == total_steps)
+    >>> manager.close()  # waits for the last asynchronous save
+    >>> manager.latest()
+    'ckpt/step_3'
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, str]]:
 
     Example::
 
+        >>> for step in (100, 200):
+        ...     path = save_checkpoint({"model": model.state_dict()}, "ckpt", step)
         >>> list_checkpoints("ckpt")
         [(100, 'ckpt/step_100'), (200, 'ckpt/step_200')]
     """
@@ -186,13 +190,17 @@ class CheckpointManager:
 
     Example::
 
-        >>> manager = CheckpointManager("ckpt", interval=100, keep_latest_k=2)
-        >>> for step in range(1, 1001):
-        ...     train_one_step()
-        ...     manager.maybe_save(step, lambda: {"model": get_model_state_dict(model)})
+        >>> from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        >>> fully_shard(model)
+        FSDPTransformer(...)
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> manager = CheckpointManager("ckpt", interval=3, keep_latest_k=2)
+        >>> for step in range(1, 10):
+        ...     model(tokens).sum().backward(); optimizer.step(); optimizer.zero_grad()
+        ...     path = manager.maybe_save(step, lambda: {"model": get_model_state_dict(model)})  # None off the interval
         >>> manager.close()
-        >>> manager.latest()
-        'ckpt/step_1000'
+        >>> manager.latest(), list_checkpoints("ckpt")
+        ('ckpt/step_9', [(6, 'ckpt/step_6'), (9, 'ckpt/step_9')])
     """
 
     def __init__(

@@ -65,6 +65,8 @@ def in_backward(
 
     Example::
 
+        >>> fully_shard(model)
+        FSDPTransformer(...)
         >>> optimizers = in_backward(model, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)
         >>> schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in optimizers.values()]
         >>> for x, y in batches:

@@ -13,8 +13,12 @@ the same kernels on the same local tensors, so the result is bitwise the DTensor
 Example::
 
     >>> from fully_shard.optim import local_step
+    >>> fully_shard(model)
+    FSDPTransformer(...)
     >>> optimizer = local_step(torch.optim.AdamW(model.parameters(), lr=3e-4))
     >>> scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    >>> x, y = batches[0]
+    >>> loss = loss_fn(model(x), y)
     >>> loss.backward(); optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
 See docs/optimizers.md.

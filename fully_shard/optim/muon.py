@@ -38,7 +38,9 @@ def newton_schulz(
 
     Example::
 
-        ortho = newton_schulz(torch.randn(4, 64, 32))   # (4, 64, 32), bfloat16
+        >>> ortho = newton_schulz(torch.randn(4, 64, 32))
+        >>> ortho.shape, ortho.dtype
+        (torch.Size([4, 64, 32]), torch.bfloat16)
     """
     a, b, c = coefficients
     tall = stack.size(-2) > stack.size(-1)
@@ -118,12 +120,13 @@ class Muon(torch.optim.Optimizer):
 
     Example::
 
-        model = ...  # fully_shard applied
-        matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
-        opt = Muon(matrices, lr=0.02, momentum=0.95)
-        loss_fn(model(x)).backward()
-        opt.step()
-        opt.zero_grad()
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
+        >>> opt = Muon(matrices, lr=0.02, momentum=0.95)
+        >>> x, y = batches[0]
+        >>> loss_fn(model(x), y).backward()
+        >>> opt.step()
+        >>> opt.zero_grad()
     """
 
     def __init__(

@@ -30,9 +30,10 @@ def muon_param_groups(
 
     Example::
 
-        groups = muon_param_groups(model)
-        [len(g["params"]) for g in groups]   # e.g. [28, 11]: matrices, then the rest
-        opt = MuonAdamW(groups, lr=0.02, adamw_lr=3e-4)
+        >>> groups = muon_param_groups(model)
+        >>> [len(g["params"]) for g in groups]  # matrices (7 per block), then the rest
+        [14, 7]
+        >>> opt = MuonAdamW(groups, lr=0.02, adamw_lr=3e-4)
     """
     adamw_ids: set[int] = set()
     for module_name, module in model.named_modules():
@@ -61,10 +62,12 @@ class MuonAdamW(Muon):
 
     Example::
 
-        opt = MuonAdamW(muon_param_groups(model), lr=0.02, adamw_lr=3e-4)
-        loss_fn(model(x)).backward()
-        opt.step()
-        opt.zero_grad()
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> opt = MuonAdamW(muon_param_groups(model), lr=0.02, adamw_lr=3e-4)
+        >>> x, y = batches[0]
+        >>> loss_fn(model(x), y).backward()
+        >>> opt.step()
+        >>> opt.zero_grad()
     """
 
     def __init__(

@@ -70,8 +70,10 @@ def matrix_layout(tensor: torch.Tensor, name: str) -> MatrixLayout:
 
     Example::
 
-        layout = matrix_layout(model.layers[0].attention.wq.weight, "layers.0.attention.wq.weight")
-        layout.world  # ranks its rows are spread over (1: local)
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> layout = matrix_layout(model.layers[0].attention.wq.weight, "layers.0.attention.wq.weight")
+        >>> layout.world  # ranks its rows are spread over (1: local)
+        1
     """
     shape = tuple(tensor.shape)
     if tensor.dim() not in (2, 3):
@@ -111,7 +113,8 @@ def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
 
     Example::
 
-        newton_schulz_flops((128, 344))  # 5 * (4 * 128**2 * 344 + 2 * 128**3)
+        >>> newton_schulz_flops((128, 344))  # 5 * (4 * 128**2 * 344 + 2 * 128**3)
+        133693440
     """
     *batch, m, n = shape
     small, large = min(m, n), max(m, n)
@@ -125,7 +128,8 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
 
     Example::
 
-        assign_owners([8, 4, 4, 1], 2)  # [0, 1, 1, 0]
+        >>> assign_owners([8, 4, 4, 1], 2)
+        [0, 1, 1, 0]
     """
     load = [0.0] * world
     owners = [0] * len(costs)
@@ -361,13 +365,18 @@ def owned_matrices(
 
     Example (a matrix-sign optimizer step on sharded gradients)::
 
-        grads = [p.grad for p in matrices]                 # DTensors, sharded on dim 0
-        outs = [torch.empty_like(g.to_local()) for g in grads]
-        for stack, result in owned_matrices(grads, outs):
-            u, _, vh = torch.linalg.svd(stack, full_matrices=False)   # whole matrices, batched
-            result.copy_(u @ vh)
-        for p, out in zip(matrices, outs):
-            p.to_local().add_(out, alpha=-lr)
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> model(tokens).sum().backward()
+        >>> matrices, lr = [p for p in model.layers.parameters() if p.ndim == 2], 0.02
+        >>> grads = [p.grad for p in matrices]  # DTensors, sharded on dim 0
+        >>> outs = [torch.empty_like(g.to_local()) for g in grads]
+        >>> for stack, result in owned_matrices(grads, outs):
+        ...     u, _, vh = torch.linalg.svd(stack, full_matrices=False)  # whole matrices, batched
+        ...     result[:] = u @ vh
+        >>> with torch.no_grad():
+        ...     for p, out in zip(matrices, outs):
+        ...         local = p.to_local()  # this rank's rows of the parameter
+        ...         local -= lr * out
     """
     if len(inputs) != len(outputs):
         raise ValueError(f"owned_matrices: {len(inputs)} inputs but {len(outputs)} outputs")

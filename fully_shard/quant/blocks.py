@@ -47,8 +47,13 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
 
     Example::
 
-        >>> wire = quantize(torch.randn(2, 1000), bits=8, block=256)  # (2, 4 * (4 + 256)) uint8
-        >>> (dequantize(wire, 1000, bits=8, block=256) - x).abs().max()  # <= amax / 254 per block
+        >>> x = torch.randn(2, 1000)
+        >>> wire = quantize(x, bits=8, block=256)
+        >>> wire.shape, wire.dtype  # per row, 4 blocks of a 4-byte scale and 256 codes
+        (torch.Size([2, 1040]), torch.uint8)
+        >>> error = (dequantize(wire, 1000, bits=8, block=256) - x).abs().max()
+        >>> bool(error <= roundtrip_bound(x.abs().max(), 8, torch.float32))  # about amax / 254
+        True
     """
     rows, n = x.shape
     nb, q = math.ceil(n / block), levels(bits)
@@ -117,7 +122,8 @@ def roundtrip_bound(amax: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.
 
     Example::
 
-        >>> roundtrip_bound(torch.tensor(1.0), 8, torch.bfloat16)  # ~ 1/254 + 2^-9 (1 + 1/254)
+        >>> roundtrip_bound(torch.tensor(1.0), 8, torch.bfloat16)  # ~ 1/254 + 2^-8 (1 + 1/254): bf16's u is 2^-8
+        tensor(0.0079)
     """
     q = levels(bits)
     u, tiny = _rounding(dtype)

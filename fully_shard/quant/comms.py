@@ -99,9 +99,12 @@ class ErrorRecord:
 
     Example::
 
-        >>> comms = quantize_comms(model, measure=True)
-        >>> loss_fn(model(x)).backward()
-        >>> max(r.max_ratio for r in comms["layers.0"].reduce_scatter.errors)  # <= 1: within the bound
+        >>> comm = QuantReduceScatter(bits=8, measure=True)  # as quantize_comms(model, measure=True) sets them
+        >>> grads = torch.randn(dist.get_world_size() * 1000)  # 1000 values per rank
+        >>> comm(torch.empty(1000), grads, dist.group.WORLD, dist.ReduceOp.AVG)
+        >>> record = comm.errors[-1]
+        >>> record.kind, record.numel, record.max_ratio <= 1  # within the bound
+        ('reduce_scatter', 1000, True)
     """
 
     kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
@@ -196,8 +199,10 @@ class QuantAllGather(_Quantized):
     Example::
 
         >>> from fully_shard.quant import QuantAllGather
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
         >>> for block in model.layers:
         ...     block.set_custom_all_gather(QuantAllGather(bits=8, block_size=256))  # also on torch's FSDP2
+        >>> model(tokens).sum().backward()  # the blocks' weights travel as int8
     """
 
     def __init__(self, bits: int = 8, block_size: int = DEFAULT_BLOCK, layout: Layout | None = None,
@@ -255,8 +260,10 @@ class QuantReduceScatter(_Quantized):
     Example::
 
         >>> from fully_shard.quant import QuantReduceScatter
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
         >>> for block in model.layers:
         ...     block.set_custom_reduce_scatter(QuantReduceScatter(bits=4, block_size=128))
+        >>> model(tokens).sum().backward()  # the blocks' gradients travel as int4
     """
 
     def __init__(self, bits: int = 8, block_size: int = DEFAULT_BLOCK, layout: Layout | None = None,
@@ -314,6 +321,10 @@ class QuantReduceScatter(_Quantized):
 
         Example::
 
+            >>> comm = QuantReduceScatter(bits=8)
+            >>> shard_group, replicate_group = dist.new_group(), dist.new_group()  # e.g. an HSDP mesh's two dims
+            >>> grads = torch.randn(dist.get_world_size(shard_group) * 1000)  # 1000 values per rank of shard_group
+            >>> out = torch.empty(1000)
             >>> comm(out, grads, shard_group, dist.ReduceOp.AVG)  # the reduce-scatter within the shard group
             >>> comm.all_reduce(out, op=dist.ReduceOp.AVG, group=replicate_group)
         """
@@ -422,6 +433,7 @@ class ModuleComms:
 
     Example::
 
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
         >>> str(quantize_comms(model)["layers.0"])
         'weights int8, grads int8 (exact: attention_norm.weight, ffn_norm.weight)'
     """
@@ -455,12 +467,15 @@ def quantize_comms(model: nn.Module, *, weights: str | None = "int8", grads: str
     Example::
 
         >>> from fully_shard.quant import quantize_comms
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
         >>> for name, how in quantize_comms(model, weights="int8", grads="int4").items():
         ...     print(name or "(root)", how)
-        layers.0 weights int8, grads int4 (exact: attention_norm.weight, ffn_norm.weight)
-        ...
         (root) weights int8, grads int4 (exact: tok_embeddings.weight, norm.weight)
-        >>> quantize_comms(model, skip=lambda name, m: name == "layers.0")  # all of layers.0 exact, its norms not
+        layers.0 weights int8, grads int4 (exact: attention_norm.weight, ffn_norm.weight)
+        layers.1 weights int8, grads int4 (exact: attention_norm.weight, ffn_norm.weight)
+        >>> comms = quantize_comms(model, skip=lambda name, m: name == "layers.0")  # all of layers.0 exact
+        >>> str(comms["layers.1"])  # the other norms are not
+        'weights int8, grads int8'
     """
     bits = {}
     for what, fmt in (("weights", weights), ("grads", grads)):

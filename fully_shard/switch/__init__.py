@@ -70,9 +70,14 @@ def install() -> list[str]:
     Example::
 
         >>> import fully_shard
-        >>> fully_shard.install()  # before the framework shards: ['torch.distributed.fsdp.fully_shard', ...]
-        >>> model, opt = accelerator.prepare(model, opt)  # accelerate's fsdp_version=2 now calls fully_shard's
-        >>> fully_shard.uninstall()  # torch's names are torch's again; sharded modules stay fully_shard's
+        >>> fully_shard.install()  # before the framework shards
+        ['torch.distributed.fsdp.fully_shard', ...]
+        >>> from torch.distributed.fsdp import fully_shard as torch_fully_shard  # what accelerate, torchtitan... call
+        >>> torch_fully_shard(model)  # fully_shard's
+        FSDPTransformer(...)
+        >>> isinstance(model, fully_shard.FSDPModule)
+        True
+        >>> restored = fully_shard.uninstall()  # torch's names are torch's again; sharded modules stay fully_shard's
     """
     if _patches:
         return _describe(_patches)
@@ -108,7 +113,10 @@ def uninstall() -> list[str]:
 
     Example::
 
-        >>> restored = fully_shard.uninstall()  # ['torch.distributed.fsdp.fully_shard', ...]
+        >>> import fully_shard
+        >>> replaced = fully_shard.install()
+        >>> fully_shard.uninstall()
+        ['torch.distributed.fsdp.fully_shard', ...]
         >>> import torch.distributed.fsdp
         >>> assert torch.distributed.fsdp.fully_shard is not fully_shard.fully_shard  # torch's own again
     """

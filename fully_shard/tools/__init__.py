@@ -5,8 +5,11 @@ Each is loaded when first used (``import fully_shard`` loads none of them).
 
 Example::
 
-    >>> from fully_shard.tools import apply_fully_shard, debug_collectives, plan, trace_comm
-    >>> print(plan("llama3-8b", 64))
+    >>> from fully_shard.tools import apply_fully_shard, debug_collectives, trace_comm
+    >>> apply_fully_shard(model, module_classes={TransformerBlock})  # each block, then the root
+    FSDPTransformer(...)
+    >>> with debug_collectives(), trace_comm() as trace:  # every rank issues the same collectives; record them
+    ...     model(tokens).sum().backward()
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..layout import ShardLayout, shard_layout
 if TYPE_CHECKING:  # the names below, for type checkers; loaded by __getattr__ at first use
     from .clip import clip_grad_norm_
     from .debug import CollectiveMismatchError, debug_collectives, is_debug, set_debug
+    from .init import broadcast_full_state_dict, materialize  # noqa: F401  # fully_shard's names, loaded from here
     from .planner import PRESETS, GroupPlan, Plan, hf_model, load_model, memory_figure, plan, save_memory_plot
     from .trace import CommTrace, trace_comm
     from .wrap import apply_fully_shard

@@ -34,7 +34,13 @@ def clip_grad_norm_(
 
     Example::
 
-        >>> total = fully_shard.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        >>> from fully_shard import clip_grad_norm_
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> model(tokens).sum().backward()
+        >>> total = clip_grad_norm_(model.parameters(), max_norm=1.0)  # the norm before clipping
+        >>> after = clip_grad_norm_(model.parameters(), max_norm=float("inf"))
+        >>> bool(total > 1.0), round(after.item(), 4)
+        (True, 1.0)
     """
     norm_type = float(norm_type)
     groups: dict[Any, list[torch.Tensor]] = {}  # (mesh, its dims the gradients are sharded over) or None (plain) -> gradients

@@ -46,8 +46,11 @@ def is_debug() -> bool:
 
     Example::
 
-        >>> with fully_shard.tools.debug_collectives():
-        ...     assert fully_shard.tools.is_debug()
+        >>> from fully_shard.tools import debug_collectives, is_debug
+        >>> with debug_collectives():
+        ...     assert is_debug()
+        >>> is_debug()
+        False
     """
     return any(isinstance(c, _SameEverywhere) for c in comm.monitor.checks)
 
@@ -57,7 +60,11 @@ def set_debug(enabled: bool) -> None:
 
     Example::
 
-        >>> fully_shard.tools.set_debug(True)  # as FULLY_SHARD_DEBUG=1 does when fully_shard is imported
+        >>> from fully_shard.tools import is_debug, set_debug
+        >>> set_debug(True)  # as FULLY_SHARD_DEBUG=1 does when fully_shard is imported
+        >>> is_debug()
+        True
+        >>> set_debug(False)
     """
     comm.monitor.checks = [c for c in comm.monitor.checks if not isinstance(c, _SameEverywhere)]
     if enabled:
@@ -75,7 +82,9 @@ def debug_collectives() -> Iterator[None]:
 
     Example::
 
-        >>> with fully_shard.tools.debug_collectives():
+        >>> from fully_shard.tools import debug_collectives
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> with debug_collectives():
         ...     loss = model(x).sum(); loss.backward()
     """
     was_on = is_debug()  # e.g. FULLY_SHARD_DEBUG=1: stays on after the context

@@ -40,6 +40,10 @@ class FaultTolerantHSDP:
 
     Example::
 
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> import torchft
+        >>> replica_id, steps, batch = 0, 2, lambda step: tokens  # this group's index; the data of each step
         >>> manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), min_replica_size=1, load_state_dict=None,
         ...                           state_dict=None, replica_id=f"train_{replica_id}", use_async_quorum=False)
         >>> ft = FaultTolerantHSDP(manager, model, optimizer)
@@ -49,6 +53,9 @@ class FaultTolerantHSDP:
         ...     if ft.should_commit():
         ...         optimizer.step()
         ...     optimizer.zero_grad()
+        >>> manager.current_step(), manager.num_participants()  # two steps committed, one replica group in the quorum
+        (2, 1)
+        >>> manager.shutdown(wait=False)
     """
 
     def __init__(self, manager: torchft.Manager, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -128,7 +135,12 @@ def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
 
     Example::
 
-        >>> state = sharded_state_dict(model, optimizer)   # {"model": {...}, "optim": {...}}
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> model(tokens).sum().backward(); optimizer.step()
+        >>> state = sharded_state_dict(model, optimizer)
+        >>> sorted(state), state["model"]["output.weight"].shape  # this rank's shard: all 32 rows on one rank
+        (['model', 'optim'], torch.Size([32, 16]))
     """
     with torch.no_grad():
         tensors = {n: _local(t).detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -162,6 +174,9 @@ def load_sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optim
 
     Example::
 
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> state_from_peer = sharded_state_dict(model, optimizer)  # in a run: sent by the same rank of a healthy group
         >>> load_sharded_state_dict(model, optimizer, state_from_peer)
     """
     own = dict([*model.named_parameters(), *model.named_buffers()])

@@ -56,8 +56,13 @@ def materialize(
         ...     model = Transformer(args)
         >>> for block in model.layers:
         ...     fully_shard(block)
+        FSDPTransformerBlock(...)
+        FSDPTransformerBlock(...)
         >>> fully_shard(model)
-        >>> materialize(model, device=torch.accelerator.current_accelerator(), seed=0)
+        FSDPTransformer(...)
+        >>> materialize(model, device=torch.accelerator.current_accelerator() or "cpu", seed=0)
+        >>> model.output.weight.is_meta, model(tokens).shape
+        (False, torch.Size([2, 8, 32]))
     """
     sharded = _sharded_params(model)
     if device is None:
@@ -122,8 +127,12 @@ def broadcast_full_state_dict(
 
     Example::
 
+        >>> torch.save(Transformer(args).state_dict(), "llama.pt")  # a full checkpoint, on rank 0's disk
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
         >>> sd = torch.load("llama.pt") if dist.get_rank() == 0 else None
         >>> broadcast_full_state_dict(model, sd)
+        >>> torch.equal(model.output.weight.full_tensor(), torch.load("llama.pt")["output.weight"])
+        True
     """
     rank = dist.get_rank()
     if rank == src and full_state_dict is None:

@@ -19,10 +19,13 @@ class CommTrace:
 
     Example::
 
-        >>> with fully_shard.tools.trace_comm() as trace:
+        >>> from fully_shard.tools import trace_comm
+        >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+        >>> with trace_comm() as trace:
         ...     model(x).sum().backward()
-        >>> print(trace.table())
-        >>> trace.save_timeline(f"comm-rank{rank}.png")
+        >>> print(trace.table())  # a line per collective (one rank issues none), then the totals per kind
+        phase     kind            group                        ranks        bytes  start ms   dur ms...
+        >>> trace.save_timeline(f"comm-rank{dist.get_rank()}.png")
     """
 
     def __init__(self) -> None:
@@ -77,6 +80,10 @@ class CommTrace:
 
         Example::
 
+            >>> from fully_shard.tools import trace_comm
+            >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+            >>> with trace_comm() as trace:
+            ...     model(x).sum().backward()
             >>> trace.save_timeline("comm.png", title="step 1, rank 0")
         """
         import matplotlib.pyplot as plt
@@ -91,6 +98,10 @@ class CommTrace:
 
         Example::
 
+            >>> from fully_shard.tools import trace_comm
+            >>> sharded = [fully_shard(m) for m in (*model.layers, model)]  # each block, then the root
+            >>> with trace_comm() as trace:
+            ...     model(x).sum().backward()
             >>> fig = trace.timeline_figure(); fig.savefig("comm.svg")
         """
         try:

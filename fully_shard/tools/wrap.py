@@ -36,6 +36,9 @@ def apply_fully_shard(
     Example::
 
         >>> apply_fully_shard(model, module_classes={TransformerBlock}, mesh=mesh)
+        FSDPTransformer(...)
+        >>> isinstance(model.layers[0], FSDPModule)
+        True
     """
     if module_classes is None and min_num_params is None and policy is None:
         raise ValueError("apply_fully_shard needs module_classes, min_num_params or policy")

@@ -8,7 +8,8 @@ estimates a Llama-family model's activations and ``plot.py`` draws memory over t
 Example::
 
     >>> from fully_shard.tools.planner import plan
-    >>> print(plan("llama3-8b", 64))
+    >>> plan("llama3-8b", 64).peak_at  # when rank 0 of 64 holds the most
+    'backward: reduce-scatter of LlamaForCausalLM (root)'
 """
 
 from .api import plan

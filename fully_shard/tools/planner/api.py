@@ -163,10 +163,18 @@ def plan(
     Example::
 
         >>> p = plan("llama3-8b", 64, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        >>> p.peak_bytes / 2**30  # GiB per rank, before activations
+        >>> round(p.peak_bytes / 2**30, 2)  # GiB per rank, before activations
+        6.97
         >>> p = plan("llama3-8b", 64, batch_size=1, seq_len=8192, activation_checkpointing=True)
         >>> p.activation_bytes, p.peak_activation_bytes  # kept at the end of forward; most at once
-        >>> plan("llama3-8b", 64, shard_fn=my_recipe)  # my_recipe(model, mesh): fully_shard calls and settings
+        (8908865536, 8908865536)
+        >>> def my_recipe(model, mesh):  # a training script's own fully_shard calls and settings
+        ...     for block in model.model.layers:
+        ...         fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        ...     fully_shard(model, mesh=mesh)
+        ...     model.set_reduce_scatter_max_input_buffers(2)
+        >>> round(plan("llama3-8b", 64, shard_fn=my_recipe).peak_bytes / 2**30, 2)  # fp32, kept forward to backward
+        36.56
     """
     shape = _mesh(mesh_shape)
     replicate, shard = (1, shape[0]) if len(shape) == 1 else shape

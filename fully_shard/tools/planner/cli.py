@@ -107,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Example::
 
         >>> main(["--model", "llama3-8b", "--mesh", "64", "--json"])
+        {
+          "model": "llama3-8b",
+        ...
         0
     """
     parser = _parser()

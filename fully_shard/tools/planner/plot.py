@@ -59,6 +59,7 @@ def save_memory_plot(plan: Plan, path: str) -> str:
     Example::
 
         >>> save_memory_plot(plan("llama3-8b", 64), "memory.png")
+        'memory.png'
     """
     memory_figure(plan).savefig(path, bbox_inches="tight")
     return path

@@ -50,7 +50,9 @@ class Plan:
 
         >>> p = plan("llama3-8b", 64)
         >>> p.peak_bytes, p.peak_at, p.groups[0].unsharded_bytes
+        (13030327808, 'backward: reduce-scatter of LlamaForCausalLM (root)', 4202708992)
         >>> plan("llama3-8b", 64, batch_size=1, seq_len=8192, activation_checkpointing=True).activation_bytes
+        8908865536
     """
 
     model: str
@@ -211,6 +213,9 @@ def format_plan(p: Plan) -> str:
     Example::
 
         >>> print(format_plan(plan("llama3-8b", 64)))
+        fully_shard memory plan: llama3-8b
+          8.03B parameters on mesh 64: FSDP, 64-way shard, rank 0, device cuda
+        ...
     """
     kind = "FSDP" if p.replicate_size == 1 else f"HSDP ({p.replicate_size} replicas)"
     mesh = "x".join(str(s) for s in p.mesh_shape)

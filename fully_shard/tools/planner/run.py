@@ -71,7 +71,9 @@ def fake_world(shape: tuple[int, ...], rank: int) -> Iterator[DeviceMesh]:
     Example::
 
         >>> with fake_world((8, 64), rank=0) as mesh:  # HSDP: 8 replicas of a 64-way shard
-        ...     fully_shard(model, mesh=mesh)
+        ...     model = fully_shard(model, mesh=mesh)
+        ...     mesh.shape, tuple(model.output.weight.to_local().shape)  # 32 rows over 64 ranks: rank 0 holds 1
+        ((8, 64), (1, 16))
     """
     if dist.is_initialized():
         raise RuntimeError("fully_shard.plan runs fully_shard on a fake process group of its own, but this process "
