@@ -57,11 +57,12 @@ class ShardedDeepcopyError(RuntimeError, AssertionError):
 @dataclass(eq=False)
 class _Owner:
     """Which fully_shard call sharded a parameter, kept on the original and the sharded one (``OWNER_ATTR``): a later
-    call reaching it runs top-down, or ties parameters across groups."""
+    call reaching it runs top-down, or gathers it too (Note [tied parameters])."""
 
     fqn: str  # relative to ``modules``
     modules: tuple[nn.Module, ...]
     label: str
+    param: ShardedParam  # the call's: a later call reaching the parameter ties its own to it
 
     def encloses(self, module: nn.Module) -> bool:
         return any(sub is module for m in self.modules for sub in m.modules())
@@ -168,11 +169,14 @@ def fully_shard(
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     pin = offload and offload_policy.pin_memory  # type: ignore[attr-defined]
     meshes = [mesh_info]  # and those shard_placement_fn names (ShardPlacementResult)
-    sharded = [
-        ShardedParam(p, fqn, uses, info, device, mp_policy, offload, pin, dim)
-        for p, (fqn, uses) in found.items()
-        for dim, info in [_placement(shard_placement_fn, p, fqn, mesh_info, meshes)]
-    ]
+    sharded = []
+    for p, (fqn, uses, first) in found.items():
+        dim, info = _placement(shard_placement_fn, p, fqn, mesh_info, meshes)
+        if first is not None and (info, dim % p.dim(), offload) != (first.mesh_info, first.layout.dim, first.offload):
+            from .tools.tied import refuse  # Note [tied parameters]: one sharded parameter, so one layout
+
+            refuse(fqn, modules, first.owner, (info, dim % p.dim(), offload), (first.mesh_info, first.layout.dim, first.offload))
+        sharded.append(ShardedParam(p, fqn, uses, info, device, mp_policy, offload, pin, dim, first))
     reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info, [(p.local_fqn, p.mesh_info) for p in sharded])
     ext = next((sp.local_fqn for sp in sharded if sp.extension and id(sp.mesh_info) in post_forward), None)
     if ext is not None:  # torch raises NotImplementedError too, at the backward all-gather
@@ -180,10 +184,11 @@ def fully_shard(
                                   f"parameters that all-gather themselves ({ext!r}); pass True or False")
     _move_buffers(modules, device)
     for original, sp in zip(found, sharded):
-        sp.set_owner(_Owner(sp.local_fqn, modules, label))
-        original.__dict__[OWNER_ATTR] = sp.owner
-        if type(original) is nn.Parameter:
-            original.__class__ = _ReplacedParameter
+        if sp.owner is None:  # not tied to an earlier call's, which owns it
+            sp.set_owner(_Owner(sp.local_fqn, modules, label, sp))
+            original.__dict__[OWNER_ATTR] = sp.owner
+            if type(original) is nn.Parameter:
+                original.__class__ = _ReplacedParameter
         sp.register(unsharded=False)
     group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
     state = FSDPState(modules, group, device, reshard, post_forward, mp_policy, ignored)
@@ -270,45 +275,21 @@ def _paths(module: nn.Module) -> dict[int, str]:
     return paths
 
 
-def _tie_names(fqn: str, modules: tuple[nn.Module, ...], owner: _Owner) -> tuple[str, str, str, str]:
-    """(this call, this parameter, the owner's parameter, the owner's call), each by its name in the outermost model
-    that holds both calls' modules where there is one, else by the calls' module classes and the parameters' names
-    under them."""
-    paths = _paths(modules[0])
-
-    def where(mods: tuple[nn.Module, ...], local: str) -> tuple[str, str] | None:  # (the call, the parameter)
-        index, rest = local.split(".", 1) if len(mods) > 1 else ("0", local)
-        base = paths.get(id(mods[int(index)]))
-        classes = [(type(m).__bases__[1] if type(m).__bases__[0] is FSDPModule else type(m)).__name__ for m in mods]  # FSDP<cls>
-        calls = [f"{paths[id(m)]} ({c})" if paths.get(id(m)) else c for m, c in zip(mods, classes)]
-        call = calls[0] if len(mods) == 1 else "[" + ", ".join(calls) + "]"
-        return None if base is None else (call, f"{base}.{rest}" if base else rest)
-
-    mine, theirs = where(modules, fqn), where(owner.modules, owner.fqn)
-    if mine is None or theirs is None:
-        return ", ".join(type(m).__name__ for m in modules), fqn, owner.fqn, owner.label
-    return mine[0], mine[1], theirs[1], theirs[0]
-
-
-def _collect_params(modules: tuple[nn.Module, ...],
-                    ignored: set[nn.Parameter]) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]]:
-    """The parameters this call owns: reachable from ``modules`` without passing through a module an earlier call
-    sharded. Maps each to its name and every place it is registered."""
-    found: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]]]] = {}
+def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+                    ) -> dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]], ShardedParam | None]]:
+    """The parameters this call gathers: reachable from ``modules`` without passing through a module an earlier call
+    sharded. Maps each to its name, every place it is registered, and an earlier call's ShardedParam of it (a
+    parameter tied across calls: Note [tied parameters])."""
+    found: dict[nn.Parameter, tuple[str, list[tuple[nn.Module, str]], ShardedParam | None]] = {}
     for fqn, module, name, p in walk_params(modules, lambda m: getattr(m, STATE_ATTR, None) is not None):
         if p in ignored:
             continue
         owner: _Owner | None = p.__dict__.get(OWNER_ATTR)
-        if owner is not None:
-            if any(owner.encloses(m) for m in modules):
-                raise ValueError(f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded by the fully_shard "
-                                 f"call on {owner.label}, an enclosing module. Apply fully_shard bottom-up: inner modules (e.g. each "
-                                 "block) first, the root last.")
-            this_call, this_name, owner_name, owner_call = _tie_names(fqn, modules, owner)
-            raise ValueError(f"fully_shard({this_call}): parameter {this_name!r} is tied to (or shared with) parameter {owner_name!r}, "
-                             f"which the fully_shard call on {owner_call} already sharded. Tied parameters must be in one group: pass "
-                             "both modules in one call, fully_shard([a, b]), or shard their common parent instead.")
-        found.setdefault(p, (fqn, []))[1].append((module, name))
+        if owner is not None and any(owner.encloses(m) for m in modules):
+            raise ValueError(f"fully_shard({type(module).__name__}): parameter {fqn!r} is already sharded by the fully_shard "
+                             f"call on {owner.label}, an enclosing module. Apply fully_shard bottom-up: inner modules (e.g. each "
+                             "block) first, the root last.")
+        found.setdefault(p, (fqn, [], None if owner is None else owner.param))[1].append((module, name))
     return found
 
 

@@ -102,6 +102,8 @@ class ParamGroup:
         self._partials: dict[tuple[int, ...], torch.Tensor] = {}  # HSDP, all-reduce off: reduce-scatter outputs awaiting it
         self.options = GroupOptions()  # the user's settings: FSDPModule._update replaces it
         self.grad_state = GradState.NONE
+        for p in params:
+            p.group = self
 
     def _split_buckets(self) -> None:
         self._gather_buckets = _buckets([p for p in self.params if not p.extension], lambda p: p.unsharded_dtype)
@@ -281,9 +283,11 @@ class ParamGroup:
                 grad = torch.zeros(p.size, dtype=p.reduce_dtype, device=self.device)
             if grad is None:
                 continue
-            if not options.requires_gradient_sync:
-                # kept unsharded, in the reduce dtype, until a synced backward
-                p.accumulated_grad = grad if grad.dtype == p.reduce_dtype else grad.to(p.reduce_dtype)
+            # Note [tied parameters]: while another group gathering it owes a post-backward, that one reduces the sum
+            waits = len(p.tie.params) > 1 and any(q.group.grad_state is not GradState.NONE for q in p.tie.params if q is not p)
+            if waits or not options.requires_gradient_sync:
+                # kept unsharded until a synced backward (in the reduce dtype), or as it is until the tie's last group
+                p.accumulated_grad = grad if waits or grad.dtype == p.reduce_dtype else grad.to(p.reduce_dtype)
                 continue
             p.accumulated_grad = None
             grads[p] = grad
@@ -311,10 +315,11 @@ class ParamGroup:
     def _reduce_scatter(self, bucket: list[ShardedParam], grads: dict[ShardedParam, torch.Tensor]) -> comm.ReduceScatterWork:
         info, o = bucket[0].mesh_info, self.options
         ranks = dataclasses.replace(info.shard, group=o.reduce_scatter_groups.get(id(info), info.shard.group))
+        tied = "".join(f" (with tied {p.fqn!r}, its uses' gradients summed)" for p in bucket if len(p.tie.params) > 1)  # debug mode
         return comm.reduce_scatter(
             [p.layout.grad_for_reduce(grads[p]) for p in bucket], ranks, bucket[0].reduce_dtype,
             dp_size=ranks.size * (info.replicate.size if info.replicate else 1), divide_factor=o.gradient_divide_factor,
-            force_sum=o.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients", label=self.label,
+            force_sum=o.force_sum_reduction, what=f"reduce-scatter of {self.label}'s gradients{tied}", label=self.label,
             custom=o.reduce_scatter_comm,
         )
 

@@ -43,9 +43,21 @@ class ShardedParam:
     which DTensors users see (plain, tensor-parallel, ``dp_mesh_dims``).
     """
 
+    # set by __init__ for a parameter it shards, or taken from the ShardedParam of an earlier call (Note [tied parameters])
+    tie: Tie  # every call's ShardedParam of this parameter
+    owner: Any  # the fully_shard call that sharded it (api's ``_Owner``)
+    size: torch.Size  # of the (TP-local) tensor that is gathered
+    mesh_layout: MeshLayout
+    layout: Layout
+    _spec: DTensorSpec
+    sharded_param: nn.Parameter  # DTensor: this rank's part
+    # set while the local tensor gathers itself (torch's fsdp_pre/post_all_gather contract): decided at the call, then
+    # again at every all-gather (refresh_extension), since hooks may be patched onto the local tensor later
+    self_gather: SelfGather | None
+
     def __init__(
         self, param: nn.Parameter, fqn: str, uses: list[tuple[nn.Module, str]], mesh_info: MeshInfo, device: torch.device,
-        mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool, shard_dim: int = 0,
+        mp_policy: MixedPrecisionPolicy, offload: bool, pin_memory: bool, shard_dim: int = 0, tied_to: ShardedParam | None = None,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(f"fully_shard cannot shard the scalar parameter {fqn!r}: give it shape (1,) or pass it in ignored_params")
@@ -55,17 +67,32 @@ class ShardedParam:
         self.mesh_info = mesh_info
         self.device = device
         self.mp_policy = mp_policy
-        self._set_dtypes(param.dtype)
+        self.group: Any = None  # the ParamGroup that gathers it (which sets it)
         # offloading keeps the sharded parameter (and so its grad and optimizer state) on the CPU
         self.shard_device = torch.device("cpu") if offload else device
         self.offload = offload
         self.pin_memory = offload and pin_memory  # as asked: shards kept pinned, gradients come back without blocking
-
-        self.mesh_layout: MeshLayout = mesh_layout_for(param, mesh_info, fqn)
+        self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
+        self._gather_out: torch.Tensor | None = None  # (N, ...) view of it that the all-gather's copy-out fills
+        self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (local shard, its 1-D view)
+        self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
+        self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
+        self._unsharded_version = 0  # the unsharded parameter's version counter after its copy-out
+        if tied_to is not None:  # Note [tied parameters]: another call sharded it (alike: fully_shard checks)
+            self.tie = tied_to.tie
+            self.tie.params.append(self)
+            self.owner, self._spec, self.mesh_layout, self.layout = tied_to.owner, tied_to._spec, tied_to.mesh_layout, tied_to.layout
+            self.size, self.sharded_param = tied_to.size, tied_to.sharded_param
+            self.self_gather = SelfGather(self) if tied_to.self_gather is not None else None
+            self._set_dtypes(tied_to.dtype)
+            return
+        self.tie = Tie(self)
+        self._set_dtypes(param.dtype)
+        self.mesh_layout = mesh_layout_for(param, mesh_info, fqn)
         data = param._local_tensor if isinstance(param, DTensor) else param
-        self.size = data.shape  # of the (TP-local) tensor that is gathered
+        self.size = data.shape
         dim = shard_dim + data.dim() if shard_dim < 0 else shard_dim
-        self.layout: Layout = layout_for(self.size, dim, mesh_info.shard.size, mesh_info.shard.rank, fqn)
+        self.layout = layout_for(self.size, dim, mesh_info.shard.size, mesh_info.shard.rank, fqn)
         src = self.layout.local_part(data.detach())
 
         target = torch.device("meta") if param.is_meta else self.shard_device
@@ -84,17 +111,12 @@ class ShardedParam:
                 local.copy_(src)
         self._spec = self.mesh_layout.sharded_spec(dim, self.size, self.dtype)
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local), requires_grad=param.requires_grad)
-        # set while the local tensor gathers itself (torch's fsdp_pre/post_all_gather contract): decided at the call,
-        # then again at every all-gather (refresh_extension), since hooks may be patched onto the local tensor later
         self.self_gather = SelfGather(self) if _has_hooks(local, fqn) else None
-        self._padded_unsharded: torch.Tensor | None = None  # 1-D, N slots; storage freed when sharded
-        self._gather_out: torch.Tensor | None = None  # (N, ...) view of it that the all-gather's copy-out fills
-        self._flat: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # (local shard, its 1-D view)
-        self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
-        self.accumulated_grad: torch.Tensor | None = None  # unsharded, while gradient sync is off
-        self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
-        self._unsharded_version = 0  # the unsharded parameter's version counter after its copy-out
-        self.owner: object = None  # the fully_shard call that owns it (api's ``_Owner``)
+        self.owner = None  # set by fully_shard
+
+    # a full gradient not reduced yet: in the reduce dtype while gradient sync is off, or a tied parameter's until the
+    # last group gathering it reduces; shared by the ShardedParams of one parameter (``Tie``)
+    accumulated_grad = property(lambda self: self.tie.grad, lambda self, grad: setattr(self.tie, "grad", grad))
 
     @property
     def extension(self) -> bool:
@@ -177,9 +199,10 @@ class ShardedParam:
                 f"fully_shard laid it out as {self._spec.placements} with shape {tuple(self.sharded_param.shape)}"
             )
         new = param if isinstance(param, nn.Parameter) else nn.Parameter(param, requires_grad=self.sharded_param.requires_grad)
-        self.sharded_param = new
-        self.register(unsharded=False)
-        self.refresh_after_apply()
+        for p in self.tie.params:  # the calls a tied parameter is shared by keep sharing it
+            p.sharded_param = new
+            p.register(unsharded=False)
+            p.refresh_after_apply()
 
     def pick_up_replacement(self, managed: set[int]) -> None:
         """Shard a parameter registered in place of the sharded one before the first forward (e.g. ``model.w =
@@ -187,8 +210,8 @@ class ShardedParam:
         init: a DTensor with the parameter's layout is taken as is, a full tensor of its shape is cut to this rank's part."""
         module, name = self.uses[0]
         current = module._parameters.get(name)
-        if current is None or current is self.sharded_param or current is self.unsharded_param:
-            return  # not replaced (unsharded: an explicit unshard() before the first forward)
+        if current is None or current is self.sharded_param or current is self.unsharded_param or self.tie.params[0] is not self:
+            return  # not replaced (unsharded: an explicit unshard() before the first forward); tied: the first call's decides
         if id(current) in managed:
             return  # another sharded parameter (a tie made after sharding): refused later
         plain = self.mesh_layout.tp_spec is None
@@ -309,6 +332,16 @@ class ShardedParam:
     def clear_unsharded_grad(self) -> None:
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None
+
+
+class Tie:
+    """The ShardedParams of one parameter, one per fully_shard call that reaches it (the first call's first; one unless
+    it is tied across calls): each gathers the one sharded parameter for its own modules, and they share the gradient
+    not reduced yet. Note [tied parameters]."""
+
+    def __init__(self, first: ShardedParam) -> None:
+        self.params = [first]
+        self.grad: torch.Tensor | None = None  # ShardedParam.accumulated_grad
 
 
 class SelfGather:

@@ -266,8 +266,10 @@ class FSDPState:
         if self.ctx is not None:
             return self.ctx
         names: dict[FSDPState, str] = {}  # every state below, in module pre-order, root first
+        paths: dict[int, str] = {}  # id(module) -> its name: the parameters' (a group's modules may be anywhere)
         for root_module in self.modules:
             for name, sub in root_module.named_modules():
+                paths.setdefault(id(sub), name)
                 state = getattr(sub, STATE_ATTR, None)
                 if state is None or state in names:
                     continue
@@ -287,7 +289,8 @@ class FSDPState:
                 state.group.streams = ctx.streams
                 state.group.label = prefix or f"{type(self.modules[0]).__name__.removeprefix('FSDP')} (root)"
                 for p in state.group.params:
-                    p.fqn = f"{prefix}.{p.local_fqn}" if prefix else p.local_fqn
+                    where = paths.get(id(p.uses[0][0]))
+                    p.fqn = p.local_fqn if where is None else f"{where}.{p.uses[0][1]}".lstrip(".")
         # a parameter another group manages is not a replacement to pick up but a tie made
         # after sharding, refused by _check_registered_params
         params = [p for state in names if state.group is not None for p in state.group.params]
@@ -295,6 +298,10 @@ class FSDPState:
         for p in params:
             p.pick_up_replacement(managed)
             p.check_materialized()
+        if any(len(p.tie.params) > 1 for p in params):
+            from .tools.tied import warn_held_twice  # Note [tied parameters]
+
+            warn_held_twice(self, list(names))
         self._check_enclosing_model()
         self._check_ignored(list(names))
         return ctx
@@ -422,7 +429,7 @@ class FSDPState:
             for p in state.group.params if state.group is not None else ():
                 for module, name in p.uses:
                     now = module._parameters.get(name)
-                    if now is not p.sharded_param and now is not p.unsharded_param:
+                    if now is not p.sharded_param and all(now is not q.unsharded_param for q in p.tie.params):  # a module in 2 calls
                         self._raise_replaced(p.fqn, module, name, now)
 
     def _raise_replaced(self, fqn: str, module: nn.Module, name: str, now: Any) -> None:
@@ -433,7 +440,7 @@ class FSDPState:
         raise RuntimeError(f"fully_shard: parameter {where!r} was replaced after fully_shard by {what} (e.g. weights tied "
                            f"afterwards: `model.{where} = model.{new or '...'}`). fully_shard gathers and reduces the parameter it "
                            "registered, so training would silently ignore the change. Tie or replace parameters before calling "
-                           "fully_shard (tied parameters must be in one fully_shard call, e.g. on their common parent).")
+                           "fully_shard.")
 
     def _root_post_forward(self, ctx: RootContext, output: Any) -> Any:
         """Close the passes still open (a member the model's forward skipped: they end with the root's, innermost

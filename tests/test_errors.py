@@ -165,30 +165,37 @@ def _case_top_down() -> None:
     _fully_shard(model.layers[0])
 
 
+# A parameter tied across calls trains (tests/test_tied.py) when the calls shard it alike; the cases below differ
 def _case_parameter_tied_across_groups() -> None:
+    from torch.distributed.tensor import Shard
+
     model = Transformer(ARGS)
     model.layers[1].attention.wq.weight = model.layers[0].attention.wq.weight
     _fully_shard(model.layers[0])
-    _fully_shard(model.layers[1])
+    _fully_shard(model.layers[1], shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
 
 
 def _case_module_shared_across_groups() -> None:
     model = Transformer(ARGS)
     model.layers[1].attention.wq = model.layers[0].attention.wq  # one Linear in two blocks
     _fully_shard(model.layers[0])
-    _fully_shard(model.layers[1])
+    _fully_shard(model.layers[1], offload_policy=fully_shard.CPUOffloadPolicy(pin_memory=False))
 
 
 def _case_tied_root_and_block() -> None:
     model = Transformer(ModelArgs(n_layers=2, vocab_size=100))
     model.output.weight = model.layers[0].attention.wq.weight  # (100, 100) both
-    _shard_nested(model)
+    for block in model.layers:
+        _fully_shard(block)
+    _fully_shard(model, mesh=_mesh(1, dist.get_world_size()))  # HSDP over one replica
 
 
 def _case_tied_grouped_calls() -> None:
+    from torch.distributed.tensor import Shard
+
     model = Transformer(ARGS)
     model.output.weight = model.tok_embeddings.weight
-    _fully_shard([model.norm, model.output])
+    _fully_shard([model.norm, model.output], shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
     _fully_shard([model.layers[0], model.tok_embeddings])
 
 
@@ -196,7 +203,7 @@ def _case_tied_no_model() -> None:
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
     _fully_shard(a)
-    _fully_shard(b)
+    _fully_shard(b, offload_policy=fully_shard.CPUOffloadPolicy(pin_memory=False))
 
 
 def _case_module_list() -> None:
@@ -429,40 +436,43 @@ def test_top_down_application_says_bottom_up() -> None:
     _expect_error(_case_top_down, ValueError, "'attention_norm.weight'", "bottom-up", world_size=2)
 
 
-# Both calls by their modules' names in the model, each parameter by its name in the model
-# (found from the outermost module that holds both calls' modules).
+# A tie across calls that shard the parameter differently: both calls by their modules' names in the model, each
+# parameter by its name in the model (found from the outermost module that holds both calls' modules), the difference.
 _TIED_BLOCKS = (
     "fully_shard(layers.1 (Block)): parameter 'layers.1.attention.wq.weight' is tied to (or shared with) "
-    "parameter 'layers.0.attention.wq.weight', which the fully_shard call on layers.0 (Block) already sharded"
+    "parameter 'layers.0.attention.wq.weight', which the fully_shard call on layers.0 (Block) sharded differently"
 )
 
 
-def test_parameter_tied_across_groups() -> None:
-    _expect_error(_case_parameter_tied_across_groups, ValueError, _TIED_BLOCKS, "one group", world_size=2)
+def test_parameter_tied_across_groups_sharded_differently() -> None:
+    _expect_error(_case_parameter_tied_across_groups, ValueError, _TIED_BLOCKS,
+                  "(shard dim (shard_placement_fn): Shard(1) here, Shard(0) there)", "shard it alike", world_size=2)
 
 
 def test_module_shared_across_groups_is_a_tie_not_top_down() -> None:
     # block 1 is not inside block 0: the message must not blame the wrapping order
-    msg = _expect_error(_case_module_shared_across_groups, ValueError, _TIED_BLOCKS, "one group", world_size=2)
+    msg = _expect_error(_case_module_shared_across_groups, ValueError, _TIED_BLOCKS,
+                        "(offload policy: CPUOffloadPolicy here, no offload there)", world_size=2)
     assert "bottom-up" not in msg, msg
 
 
-def test_parameter_tied_between_block_and_root() -> None:
+def test_parameter_tied_between_block_and_root_on_another_mesh() -> None:
     _expect_error(
         _case_tied_root_and_block, ValueError,
         "fully_shard(Transformer): parameter 'output.weight' is tied to (or shared with) parameter "
-        "'layers.0.attention.wq.weight', which the fully_shard call on layers.0 (Block) already sharded",
-        "one group", world_size=2,
+        "'layers.0.attention.wq.weight', which the fully_shard call on layers.0 (Block) sharded differently "
+        "(mesh: a mesh of shape (1, 2) here, a mesh of shape (2,) there)",
+        "pass the same mesh", world_size=2,
     )
 
 
-def test_parameter_tied_between_grouped_calls() -> None:
+def test_parameter_tied_between_grouped_calls_sharded_differently() -> None:
     _expect_error(
         _case_tied_grouped_calls, ValueError,
         "fully_shard([layers.0 (Block), tok_embeddings (Embedding)]): parameter 'tok_embeddings.weight' is tied "
         "to (or shared with) parameter 'output.weight', which the fully_shard call on [norm (RMSNorm), output "
-        "(Linear)] already sharded",
-        "one group", world_size=2,
+        "(Linear)] sharded differently (shard dim (shard_placement_fn): Shard(0) here, Shard(1) there)",
+        world_size=2,
     )
 
 
@@ -471,7 +481,7 @@ def test_parameter_tied_outside_any_model_names_the_classes() -> None:
     _expect_error(
         _case_tied_no_model, ValueError,
         "fully_shard(Linear): parameter 'weight' is tied to (or shared with) parameter 'weight', which "
-        "the fully_shard call on Linear already sharded", world_size=2,
+        "the fully_shard call on Linear sharded differently", world_size=2,
     )
 
 

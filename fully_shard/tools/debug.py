@@ -37,8 +37,17 @@ class _SameEverywhere:
                 f"fully_shard debug mode: collective #{index} of the group of ranks {ranks} differs "
                 f"across ranks:\n{lines}\nEvery rank must run the same modules in the same order "
                 "(data-dependent control flow around fully_shard modules, or a module used on some "
-                "ranks only, makes them diverge)."
+                f"ranks only, makes them diverge).{_TIED_HINT if any('(with tied ' in f[1] for f in gathered) else ''}"
             )
+
+
+# Note [tied parameters]: a reduce-scatter's description names the tied parameters whose summed gradient it carries
+# (ParamGroup._reduce_scatter: "(with tied 'name', ...)")
+_TIED_HINT = (
+    " A parameter tied across fully_shard calls is reduced once per backward, by the last of the groups gathering it "
+    "to reach its post-backward (the others keep their gradient for it): so every rank must also run forward and "
+    "backward through the same groups that use it, under grad mode alike."
+)
 
 
 def is_debug() -> bool:

@@ -29,6 +29,7 @@ from ...param import ShardedParam
 from ...policy import MixedPrecisionPolicy, OffloadPolicy
 from ...state import STATE_ATTR, FSDPState
 from ...streams import accelerator_type, has_streams
+from ..tied import tie_notes
 from .activations import estimate_activations
 from .models import load_model
 from .report import GroupPlan, Plan
@@ -214,7 +215,7 @@ def plan(
             floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
             compute = root.mp_policy.param_dtype or (floats[0] if floats else torch.float32)
             acts, block_act = _activations(model, states, batch_size, seq_len, compute, activation_checkpointing)
-        sharded = [p for s in states if s.group is not None for p in s.group.params]
+        sharded = _owned(states)
         offload = any(p.offload for p in sharded)
         on_device = not offload or not streams  # where the sharded state lives
         opt = _Optimizer(optimizer, foreach, [p for p in sharded if p.sharded_param.requires_grad], on_device)
@@ -222,6 +223,7 @@ def plan(
     fields = _memory(step, model, on_device, opt) | _communication(step.collectives)
     groups = [_group(s, model, step.collectives, shard, opt.states, on_device) for s in states if s.group is not None]
     notes = ["CPU offload changes nothing on a CPU mesh: everything is host memory"] if offload and not streams else []
+    notes += tie_notes([(g.name, s.group.params) for g, s in zip(groups, (s for s in states if s.group is not None))])
     if kept := [r for s in states for r in s.post_forward_ranks.values()]:  # the runtime's own k-rank groups
         k, mine = kept[0].size, len({id(r.group) for r in kept})
         notes.append(f"reshard_after_forward={k}: one set of {k}-rank process groups ({replicate * shard // k} in all, "
@@ -270,6 +272,12 @@ def _storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
+def _owned(states: list[FSDPState]) -> list[ShardedParam]:
+    """The sharded parameters of ``states``' groups, a parameter tied across calls once (in the first call's group,
+    which keeps its state: Note [tied parameters])."""
+    return [p for s in states if s.group is not None for p in s.group.params if p.tie.params[0] is p]
+
+
 def _grad_bytes(params: list[ShardedParam], on_device: bool) -> int:
     """The sharded gradients: the reduce-scatter outputs they are views of, or, offloaded to a host, copies of this
     rank's rows (the fake step keeps the views: its device is the host)."""
@@ -282,7 +290,7 @@ def _group(state: FSDPState, model: nn.Module, events: list[CollectiveEvent], sh
            on_device: bool) -> GroupPlan:
     """One call's row: sizes read off its sharded parameters, buffers off the collectives it issued."""
     assert state.group is not None
-    params = state.group.params
+    params = _owned([state])
     mine = [e for e in events if e.label == state.group.label]
     gathers = [e for e in mine if e.kind == "all_gather"]
     forward = [e for e in gathers if not e.backward] or gathers  # the forward all-gathers: the whole group's
@@ -296,8 +304,8 @@ def _group(state: FSDPState, model: nn.Module, events: list[CollectiveEvent], sh
         grad_bytes=_grad_bytes(params, on_device),
         optimizer_bytes=states * _storage_bytes(p.sharded_param for p in trainable),
         unsharded_bytes=sum(e.nbytes * e.group_size for e in forward),
-        unsharded_grad_bytes=sum(p.sharded_param.numel() * p.unsharded_param.element_size() for p in trainable
-                                 if p.unsharded_param is not None),
+        unsharded_grad_bytes=sum(p.sharded_param.numel() * p.unsharded_param.element_size() for p in state.group.params
+                                 if p.sharded_param.requires_grad and p.unsharded_param is not None),
         all_gather_input_bytes=sum(e.nbytes for e in forward),
         all_gather_output_bytes=sum(e.nbytes * e.group_size for e in forward),
         reduce_scatter_input_bytes=sum(e.nbytes for e in reductions),
@@ -310,7 +318,7 @@ def _group(state: FSDPState, model: nn.Module, events: list[CollectiveEvent], sh
 def _memory(step: Step, model: nn.Module, on_device: bool, opt: _Optimizer) -> dict[str, Any]:
     """The memory fields of the plan, off the ledger: device bytes held through the step (the sharded parameters and
     the optimizer state, unless offloaded, and the buffers), plus what the step allocated and freed."""
-    sharded = [p for s in step.states if s.group is not None for p in s.group.params]
+    sharded = _owned(step.states)
     params = _storage_bytes(p.sharded_param for p in sharded)
     grads = _grad_bytes(sharded, on_device)
     optim = opt.states * _storage_bytes(p.sharded_param for p in sharded if p.sharded_param.requires_grad)
