@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 from .comm import PoolComm
 from .group import GroupOptions, ParamGroup
 from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
-from .param import OWNER_ATTR, ShardedParam
+from .param import OWNER_ATTR, ShardedParam, param_dtypes
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .state import STATE_ATTR, FSDPState, callers_self, state_of
 from .streams import Streams, has_streams
@@ -172,10 +172,10 @@ def fully_shard(
     sharded = []
     for p, (fqn, uses, first) in found.items():
         dim, info = _placement(shard_placement_fn, p, fqn, mesh_info, meshes)
-        if first is not None and (info, dim % p.dim(), offload) != (first.mesh_info, first.layout.dim, first.offload):
-            from .tools.tied import refuse  # Note [tied parameters]: one sharded parameter, so one layout
+        if first is not None:
+            from .tools.tied import check_alike  # Note [tied parameters]: one sharded parameter, so one layout
 
-            refuse(fqn, modules, first.owner, (info, dim % p.dim(), offload), (first.mesh_info, first.layout.dim, first.offload))
+            check_alike(fqn, modules, first, (info, dim % p.dim(), offload, param_dtypes(p.dtype, mp_policy)))
         sharded.append(ShardedParam(p, fqn, uses, info, device, mp_policy, offload, pin, dim, first))
     reshard, post_forward = resolve_reshard_after_forward(reshard_after_forward, mesh_info, [(p.local_fqn, p.mesh_info) for p in sharded])
     ext = next((sp.local_fqn for sp in sharded if sp.extension and id(sp.mesh_info) in post_forward), None)

@@ -182,6 +182,13 @@ def _case_module_shared_across_groups() -> None:
     _fully_shard(model.layers[1], offload_policy=fully_shard.CPUOffloadPolicy(pin_memory=False))
 
 
+def _case_tied_mixed_precision() -> None:
+    model = Transformer(ARGS)
+    model.layers[1].attention.wq.weight = model.layers[0].attention.wq.weight
+    _fully_shard(model.layers[0])
+    _fully_shard(model.layers[1], mp_policy=fully_shard.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
 def _case_tied_root_and_block() -> None:
     model = Transformer(ModelArgs(n_layers=2, vocab_size=100))
     model.output.weight = model.layers[0].attention.wq.weight  # (100, 100) both
@@ -447,6 +454,13 @@ _TIED_BLOCKS = (
 def test_parameter_tied_across_groups_sharded_differently() -> None:
     _expect_error(_case_parameter_tied_across_groups, ValueError, _TIED_BLOCKS,
                   "(shard dim (shard_placement_fn): Shard(1) here, Shard(0) there)", "shard it alike", world_size=2)
+
+
+def test_tie_across_calls_with_different_mixed_precision_is_refused() -> None:
+    # both calls sum into one gradient held between them: a bf16 and an fp32 group would mix dtypes silently
+    _expect_error(_case_tied_mixed_precision, ValueError, _TIED_BLOCKS,
+                  "(mp_policy: param_dtype torch.bfloat16, reduce_dtype torch.bfloat16 here, param_dtype torch.float32, "
+                  "reduce_dtype torch.float32 there)", "offload_policy and mp_policy to both calls", world_size=2)
 
 
 def test_module_shared_across_groups_is_a_tie_not_top_down() -> None:

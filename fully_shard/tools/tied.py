@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch.nn as nn
 
@@ -34,18 +34,23 @@ def _names(fqn: str, modules: tuple[nn.Module, ...], owner: Any) -> tuple[str, s
     return mine[0], mine[1], theirs[1], theirs[0]
 
 
-def refuse(fqn: str, modules: tuple[nn.Module, ...], owner: Any, mine: tuple[Any, int, bool], theirs: tuple[Any, int, bool]) -> NoReturn:
-    """Raise for a call reaching a parameter an earlier call sharded on another mesh, dim or offload policy ``(mesh
-    info, shard dim, offloaded)``: both calls gather the one sharded parameter, so they must shard it alike."""
-    this_call, this_name, owner_name, owner_call = _names(fqn, modules, owner)
-    said = {0: "mesh", 1: "shard dim (shard_placement_fn)", 2: "offload policy"}
+def check_alike(fqn: str, modules: tuple[nn.Module, ...], first: Any, mine: tuple[Any, int, bool, tuple[Any, Any]]) -> None:
+    """Raise for a call reaching a parameter an earlier call sharded (``first``, its ShardedParam) on another mesh, dim,
+    offload policy or mixed precision ``(mesh info, shard dim, offloaded, (param dtype, reduce dtype))``: both calls
+    gather the one sharded parameter and sum into one gradient, so they must shard and cast it alike."""
+    theirs = (first.mesh_info, first.layout.dim, first.offload, (first.unsharded_dtype, first.reduce_dtype))
+    if mine == theirs:
+        return
+    this_call, this_name, owner_name, owner_call = _names(fqn, modules, first.owner)
+    said = {0: "mesh", 1: "shard dim (shard_placement_fn)", 2: "offload policy", 3: "mp_policy"}
     shown: dict[int, Callable[[Any], str]] = {0: lambda info: f"a mesh of shape {tuple(info.mesh.shape)}",
-                                              1: lambda d: f"Shard({d})", 2: lambda off: "CPUOffloadPolicy" if off else "no offload"}
+                                              1: lambda d: f"Shard({d})", 2: lambda off: "CPUOffloadPolicy" if off else "no offload",
+                                              3: lambda d: f"param_dtype {d[0]}, reduce_dtype {d[1]}"}
     diff = [f"{said[i]}: {shown[i](a)} here, {shown[i](b)} there" for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
     raise ValueError(f"fully_shard({this_call}): parameter {this_name!r} is tied to (or shared with) parameter {owner_name!r}, "
                      f"which the fully_shard call on {owner_call} sharded differently ({'; '.join(diff)}). A parameter tied "
                      "across calls stays one sharded tensor that each call gathers, so they must shard it alike: pass the same "
-                     "mesh, shard_placement_fn placement and offload_policy to both calls, or both modules to one call, "
+                     "mesh, shard_placement_fn placement, offload_policy and mp_policy to both calls, or both modules to one call, "
                      "fully_shard([a, b]).")
 
 
