@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from fully_shard import fully_shard
 from fully_shard.optim import local_step
 from fully_shard.tools.ft import FaultTolerantHSDP, load_sharded_state_dict, sharded_state_dict
-from tests.harness import device_type, run_distributed
+from tests.harness import concurrently, device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,7 +287,7 @@ def _chaos(impl: str, tmp: str) -> tuple[str, dict[tuple[int, int], tuple[str, s
 
 @pytest.mark.long
 def test_replica_groups_survive_kills_and_a_lighthouse_restart(tmp_path: Any) -> None:
-    runs = {impl: _chaos(impl, str(tmp_path / impl)) for impl in IMPLS}
+    runs = dict(zip(IMPLS, concurrently(*(lambda impl=impl: _chaos(impl, str(tmp_path / impl)) for impl in IMPLS))))
     for impl, (out, digests) in runs.items():
         log = out[-20000:]
         for rank in (0, 1):  # the replicas hold bitwise the same parameters and optimizer state
@@ -314,12 +314,14 @@ def test_replica_groups_survive_kills_and_a_lighthouse_restart(tmp_path: Any) ->
 
 
 @pytest.mark.long
-def test_a_kill_during_live_recovery_restarts_both_groups_from_scratch() -> None:
+def test_a_kill_during_live_recovery_restarts_both_groups_from_scratch(tmp_path: Any) -> None:
     """Rank 1 of group 0 is killed while it sends its state to group 1 (recovering from the kill at step 10): group 0
     restarts; group 1 either errors out (its ranks disagree on the step: some recovered, some not) and restarts, or
     none of its ranks recovered; both start again from step 0 and end as plain HSDP on a (2, 2) mesh ends."""
-    out = _run([*SMALL, *FT, "--ft-join-at", "14", "--ft-kill", "1:1:10:forward", "--ft-kill", "0:1:10:send"], 400)
-    hsdp = _run([*SMALL, "--nproc", "4", "--hsdp", "2"], 200)
+    out, hsdp = concurrently(
+        lambda: _run([*SMALL, *FT, "--ft-join-at", "14", "--ft-kill", "1:1:10:forward", "--ft-kill", "0:1:10:send",
+                      "--metrics", str(tmp_path / "ft.jsonl")], 400),
+        lambda: _run([*SMALL, "--nproc", "4", "--hsdp", "2", "--metrics", str(tmp_path / "hsdp.jsonl")], 200))
     assert "killing this worker (SIGKILL) at step 13 (send)" in out, out[-20000:]
     # its rank 1 killed, rank 0 failing on its next collective: whichever the launcher sees first
     assert re.search(r"replica group 0: worker \d (was killed by SIGKILL|exited with status 1); restarting the group",
@@ -334,9 +336,12 @@ def test_torchrun_restart_reconnects_and_resumes_exactly(tmp_path: Any) -> None:
     connect, or hung, in 2 of 4 jobs here) and resume from the checkpoint of step 10: the parameters and optimizer
     state end bitwise as in the run without the kill."""
     common = [*SMALL, "--steps", "16", "--ckpt-every", "5", "--resume", "--dist-timeout", "120"]
-    out = _run([*common, "--ckpt-dir", str(tmp_path / "a"), "--ft-kill", "0:1:12:forward"], 300,
-               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"))
-    plain = _run([*common, "--ckpt-dir", str(tmp_path / "b"), "--nproc", "2"], 200)
+    out, plain = concurrently(
+        lambda: _run([*common, "--ckpt-dir", str(tmp_path / "a"), "--metrics", str(tmp_path / "a.jsonl"),
+                      "--ft-kill", "0:1:12:forward"], 300,
+                     launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1")),
+        lambda: _run([*common, "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(tmp_path / "b.jsonl"), "--nproc", "2"],
+                     200))
     assert "killing this worker (SIGKILL) at step 12 (forward)" in out, out[-20000:]
     assert "resumed from" in out and "step_10: step 10" in out, out[-20000:]
     assert "connectFullMesh" not in out, out[-20000:]
