@@ -676,7 +676,7 @@ def run_distributed(
 
 def concurrently(*calls: Callable[[], Any]) -> list[Any]:
     """Run independent ``calls`` at the same time, one thread each; return their results in order, or raise the
-    first call's exception once every call has ended. For tests that start several independent jobs as
+    exception of the first call (in order) that raised, once every call has ended. For tests that start several independent jobs as
     subprocesses (examples/train.py runs, each with its own ports and files): a job spends much of its time waiting
     (process start-up, polling, a replica group idle while another restarts), which the other jobs fill::
 
