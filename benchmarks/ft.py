@@ -33,7 +33,9 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from .models import BENCH_SMALL, Llama, LlamaArgs, loss_fn, param_count, tokens
+from support.llama import Llama, LlamaArgs, loss_fn, param_count, tokens
+
+from .models import BENCH_SMALL
 from .spawn import run_job
 
 

@@ -18,7 +18,7 @@ The results go to ``benchmarks/results/<date>-<gpu>.md``.
 
 On a machine without an accelerator it exits (status 2) saying so. ``--dry-run`` runs the
 same code on the CPU (gloo, a tiny model, memory columns "n/a") so that its logic is
-tested in the CPU suite (tests/test_gpu_check.py).
+tested in the CPU suite (tests/test_gpu_ready.py, which runs it as a process).
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .models import Llama, LlamaArgs, loss_fn, param_count, tokens
-from .step import _api
+from support.llama import Llama, LlamaArgs, fsdp_api, loss_fn, param_count, tokens
 
 # Llama 3.2 1B shapes (https://github.com/meta-llama/llama-models), output not tied: 1.50e9
 GPU_1B = LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256, max_seq_len=2048)
@@ -103,7 +102,7 @@ def peak_flops(dev: torch.device, override_tflops: float | None) -> float | None
 def train(impl: str, args: LlamaArgs, dev: torch.device, cfg: argparse.Namespace, *, offload: bool,
           profile_to: str | None = None) -> dict[str, Any]:
     """Shard a fresh model with ``impl``, run warm-up + timed steps; times and peak memory."""
-    fully_shard, MP = _api(impl)
+    fully_shard, MP = fsdp_api(impl)
     if impl == "fully_shard":
         from fully_shard import CPUOffloadPolicy, OffloadPolicy
     else:
@@ -272,6 +271,21 @@ def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f}"
 
 
+def streams_table(trace: dict[str, Any]) -> list[str]:
+    """The streams of an ``analyse_trace`` result, as Markdown lines."""
+    if not trace["device_kernels"]:
+        return ["No device kernels in the trace (CPU): the picture shows fully_shard's phases on the host."]
+    lines = [f"{trace['device_kernels']} device kernels; compute stream {trace['compute_stream']}; "
+             f"all-gather kernels on stream(s) {trace['collectives']['all-gather'] or 'none'}, "
+             f"reduce-scatter kernels on {trace['collectives']['reduce-scatter'] or 'none'} (at world "
+             "size 1 fully_shard skips the collectives; its side streams hold the copies).", "",
+             "| stream | kernels | busy (ms) | kinds | overlaps compute |", "| --- | ---: | ---: | --- | ---: |"]
+    for s, st in trace["streams"].items():
+        lines.append(f"| {s} | {st['kernels']} | {st['busy_us'] / 1e3:.2f} | {', '.join(st['kinds'])} | "
+                     f"{'(compute)' if s == trace['compute_stream'] else format(st['overlap'], '.0%')} |")
+    return lines
+
+
 def render(meta: dict[str, Any], runs: list[dict[str, Any]], trace: dict[str, Any], files: dict[str, str]) -> str:
     lines = [f"# GPU check, {meta['date']}: {meta['device']}", ""]
     if meta["dry_run"]:
@@ -292,18 +306,7 @@ def render(meta: dict[str, Any], runs: list[dict[str, Any]], trace: dict[str, An
         lines += ["", "Offload steps by phase (medians; the device synchronised at the end of each):", "",
                   "| library | forward (ms) | backward (ms) | optimizer step + zero_grad (ms) |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| {r['impl']} | " + " | ".join(f"{t * 1e3:.1f}" for t in r["phases_s"]) + " |" for r in timed]
-    lines += ["", "## Streams (one fully_shard step under torch.profiler)", ""]
-    if trace["device_kernels"]:
-        lines += [f"{trace['device_kernels']} device kernels; compute stream {trace['compute_stream']}; "
-                  f"all-gather kernels on stream(s) {trace['collectives']['all-gather'] or 'none'}, "
-                  f"reduce-scatter kernels on {trace['collectives']['reduce-scatter'] or 'none'} (at world "
-                  "size 1 fully_shard skips the collectives; its side streams hold the copies).", "",
-                  "| stream | kernels | busy (ms) | kinds | overlaps compute |", "| --- | ---: | ---: | --- | ---: |"]
-        for s, st in trace["streams"].items():
-            lines.append(f"| {s} | {st['kernels']} | {st['busy_us'] / 1e3:.2f} | {', '.join(st['kinds'])} | "
-                         f"{'(compute)' if s == trace['compute_stream'] else format(st['overlap'], '.0%')} |")
-    else:
-        lines.append("No device kernels in the trace (CPU): the picture shows fully_shard's phases on the host.")
+    lines += ["", "## Streams (one fully_shard step under torch.profiler)", "", *streams_table(trace)]
     lines += ["", f"Trace: `{files['trace']}` (open in chrome://tracing or ui.perfetto.dev). Picture:", "",
               f"![streams]({files['svg']})", ""]
     return "\n".join(lines)
@@ -329,6 +332,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, help="default 2048 (dry run 16)")
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU (default: by name)")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for the results (default benchmarks/results)")
+    p.add_argument("--analyse", metavar="TRACE", help="only analyse this chrome trace (.json.gz) by stream: print the "
+                   "analysis as one line of JSON, then the streams table")
     cfg = p.parse_args(argv)
     for name, default, dry in (("steps", 10, 2), ("warmup", 3, 1), ("offload_steps", 3, 1),
                                ("batch_size", 4, 2), ("seq_len", 2048, 16)):
@@ -372,11 +377,19 @@ def run(cfg: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     text = render(meta, runs, trace, files)
     with open(stem + ".md", "w") as f:
         f.write(text)
+    with open(stem + ".json", "w") as f:  # every figure of the table, the losses too
+        json.dump({"meta": meta, "runs": [{k: v for k, v in r.items() if k != "trace"} for r in runs],
+                   "trace": {k: v for k, v in trace.items() if k != "lanes"}}, f, indent=1)
     return {"runs": runs, "trace": trace, "text": text, "stem": stem}
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
+    if cfg.analyse:
+        trace = analyse_trace(cfg.analyse)
+        print(json.dumps({k: v for k, v in trace.items() if k != "lanes"}))
+        print("\n".join(streams_table(trace)))
+        return 0
     dev = torch.device("cpu") if cfg.dry_run else _device()
     if dev is None:
         print("benchmarks.gpu_check: no GPU here (torch.accelerator.is_available() is False). Run it on a "
@@ -387,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(cfg, dev)
     print(result["text"])
     stem = result["stem"]
-    print(f"written: {stem}.md, {stem}-trace.json.gz, {stem}-streams.svg")
+    print(f"written: {stem}.md, {stem}.json, {stem}-trace.json.gz, {stem}-streams.svg")
     dist.destroy_process_group()
     return 0
 

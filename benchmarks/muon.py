@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .models import LLAMA32_3B, Llama, LlamaArgs
+from support.llama import LLAMA32_3B, Llama, LlamaArgs
 
 # the issue's model: a 4-block Llama of dim 128, ffn 344
 MUON_MODEL = LlamaArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=344, vocab_size=512)
@@ -118,7 +118,7 @@ def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from fully_shard.optim import newton_schulz_flops
-    from tests.collectives import CollectiveRecorder
+    from support.collectives import CollectiveRecorder
 
     args = LlamaArgs(**job["args"])
     rounds, warmup, torch_every = job["rounds"], job["warmup"], job["torch_every"]
@@ -234,7 +234,7 @@ def _flops_per_rank(shapes: list[tuple[int, ...]], world: int) -> dict[str, Any]
 
 
 def _all_to_alls(rec: Any) -> list[Any]:
-    """The all-to-alls a ``tests.collectives.CollectiveRecorder`` saw, with their split sizes."""
+    """The all-to-alls a ``support.collectives.CollectiveRecorder`` saw, with their split sizes."""
     return [r for r in rec.collectives() if r.kind == "all_to_all"]
 
 
@@ -242,24 +242,6 @@ def _sent_bytes(record: Any, rank: int) -> int:
     """Bytes of an all-to-all that leave ``rank`` (its own split stays)."""
     size = torch.empty((), dtype=getattr(torch, record.dtype)).element_size()
     return (sum(record.input_splits) - record.input_splits[rank]) * size
-
-
-def predicted_sent_bytes(shapes: list[tuple[int, int]], world: int, element_size: int = 2) -> list[int]:
-    """Bytes each rank of ``world`` sends in one owner round trip over ``shapes`` (one bucket),
-    from the layout alone: rank r sends its rows of every matrix it does not own to the owner,
-    and, for every matrix it owns, the other ranks' rows of the result back. Pure arithmetic."""
-    from fully_shard.optim import assign_owners, newton_schulz_flops
-    from fully_shard.optim.owned import MatrixLayout
-
-    owners = assign_owners([newton_schulz_flops(s) for s in shapes], world)
-    layouts = [MatrixLayout(f"m{i}", tuple(s), None, world, 0) for i, s in enumerate(shapes)]
-    sent = [0] * world
-    for layout, (rows, cols), owner in zip(layouts, shapes, owners):
-        for r in range(world):
-            start, end = layout.rows(r)
-            mine = end - start
-            sent[r] += (mine if r != owner else rows - mine) * cols * element_size
-    return sent
 
 
 def _torch_muon_collectives(shapes: list[tuple[int, int]], mesh: Any) -> dict[str, Any]:
@@ -314,8 +296,8 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
     every rank from the layout, and ``torch.optim.Muon``'s collectives on the same layout."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fully_shard.optim.owned import _Plan, matrix_layout, newton_schulz_flops, owned_matrices_local
-    from tests.collectives import CollectiveRecorder
+    from fully_shard.optim.owned import _Plan, matrix_layout, newton_schulz_flops, owned_matrices_local, sent_bytes
+    from support.collectives import CollectiveRecorder
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -336,7 +318,7 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
             for _stack, result in owned_matrices_local(layouts, inputs, outs, comm_dtype=torch.bfloat16):
                 result.zero_()  # the fake group moves no data; the transform is not the point here
         buckets = _Plan(layouts, [t.shape for t in inputs], newton_schulz_flops).buckets
-        predicted = predicted_sent_bytes(shapes, world)  # every rank, from the layout
+        predicted = sent_bytes(shapes, world)  # every rank, from the layout
         matrix_bytes = sum(s[0] * s[1] for s in shapes) * 2
         calls = _all_to_alls(rec)
         measured = sum(_sent_bytes(c, 0) for c in calls)

@@ -43,8 +43,7 @@ def measure(steps: int = 50, foreach: bool | None = None, args: dict[str, int] |
 
     from fully_shard import fully_shard
     from fully_shard.optim import local_step
-
-    from .models import Llama, LlamaArgs, loss_fn, tokens
+    from support.llama import Llama, LlamaArgs, loss_fn, tokens
 
     largs = LlamaArgs(**(args or ISSUE20))
 
@@ -99,7 +98,7 @@ def in_backward_memory(rank: int, world: int, job: dict[str, Any]) -> dict[str, 
     from its post-accumulate-grad hook, which frees the gradient) against the usual step (backward, then
     ``AdamW.step()`` and ``zero_grad(set_to_none=True)``), for fully_shard and for torch's FSDP2, with AdamW's
     ``foreach`` off (the CPU default) and on (the CUDA default). Everything the step holds is counted: parameters,
-    gradients, optimizer state, activations, communication buffers (``benchmarks.memory.StorageTracker``, built
+    gradients, optimizer state, activations, communication buffers (``support.storages.StorageTracker``, built
     inside the tracker; the batches are not). The maximum over ranks."""
     import copy
     import functools
@@ -109,10 +108,10 @@ def in_backward_memory(rank: int, world: int, job: dict[str, Any]) -> dict[str, 
     import torch.distributed as dist
 
     from fully_shard.optim import in_backward
+    from support.llama import FSDP_IMPLS, Llama, LlamaArgs, loss_fn, shard_model, tokens
+    from support.storages import StorageTracker
 
-    from .memory import StorageTracker
-    from .models import Llama, LlamaArgs, loss_fn, tokens
-    from .step import FSDP_IMPLS, _mesh, shard_model
+    from .step import _mesh
 
     largs = LlamaArgs(**job["args"])
     torch.manual_seed(0)
@@ -180,7 +179,8 @@ def render_in_backward(result: dict[str, Any]) -> list[str]:
 
 
 def _main_in_backward(out_dir: str | None) -> None:
-    from .models import LlamaArgs
+    from support.llama import LlamaArgs
+
     from .spawn import run_job
 
     job = {"args": LlamaArgs(**IN_BACKWARD).as_dict(), "batch": 1, "seq": 16}

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .models import LlamaArgs
+from support.llama import LlamaArgs
 
 IMPLS = ("plain", "fully_shard", "fully_shard_local_step", "torch_fsdp2")
 IMPL_LABELS = {
@@ -90,9 +90,7 @@ def overhead_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
     import fully_shard
     from fully_shard.optim import local_step
-
-    from .models import Llama, loss_fn, tokens
-    from .step import shard_model
+    from support.llama import Llama, loss_fn, shard_model, tokens
 
     largs = LlamaArgs(**job["args"])
     torch.manual_seed(0)
@@ -303,3 +301,27 @@ def _render_world(section: dict[str, Any], world: int) -> list[str]:
         "",
     ]
     return lines
+
+
+def plots(ovh: dict[str, Any], plt: Any, out_dir: str, stem: str) -> list[str]:
+    """Library overhead (median minus the plain model's) per phase, at world size 1 and on 2 ranks."""
+    from .fmt import save_figure
+
+    runs = [(r, title) for r, title in ((ovh.get("result"), "world size 1"),
+                                        ((ovh.get("two_ranks") or {}).get("result"), "2 ranks")) if r]
+    if not runs:
+        return []
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    phases, impls = ("forward", "backward", "optimizer", "step"), ("fully_shard", "fully_shard_local_step", "torch_fsdp2")
+    labels = {"fully_shard": "fully_shard", "fully_shard_local_step": "fully_shard + local_step", "torch_fsdp2": "torch FSDP2"}
+    for ax, (r, title) in zip(axes[0], runs):
+        med = r["median_s"]
+        for i, impl in enumerate(impls):
+            ys = [(med[impl][ph] - med["plain"][ph]) * 1e3 for ph in phases]
+            ax.bar([x + (i - 1) * 0.27 for x in range(len(phases))], ys, width=0.27, label=labels[impl])
+        ax.set_xticks(range(len(phases)))
+        ax.set_xticklabels(["forward", "backward", "optimizer.step\n+ zero_grad", "whole step"], fontsize=8)
+        ax.set(ylabel="overhead vs the plain model (ms, median)", title=f"framework overhead, {title}")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    return [save_figure(plt, fig, out_dir, f"{stem}-overhead.png")]

@@ -11,7 +11,7 @@ newest such file.
 * ``bytes``: one training step of a model shaped like the main job's (``examples/train.py``: 4 blocks of dim 128,
   vocabulary 1024), each block sharded then the root, recorded with the tests' ``CollectiveRecorder``, exact and
   quantized (int8 weights; int8 and int4 gradients; embeddings and norms exact), at 2 ranks (FSDP) and 4 ranks
-  (HSDP 2 x 2): input bytes per rank and collective, against ``analytic.quantized_collective_bytes`` from the
+  (HSDP 2 x 2): input bytes per rank and collective, against ``quantized_collective_bytes`` from the
   shapes alone.
 * ``error``: ``--error-steps`` AdamW steps with ``measure=True`` (every quantized collective also runs the exact one
   on the same input): per step, the max over groups of the error in the block scheme's units (the block's largest
@@ -59,9 +59,9 @@ def _is_exact(name: str) -> bool:
 def _build(world_mesh: Any, weights: str | None, grads: str | None, mp: str, measure: bool = False) -> tuple[Any, Any, Any]:
     import torch
 
-    from benchmarks.models import Llama, LlamaArgs
     from fully_shard import MixedPrecisionPolicy, fully_shard
     from fully_shard.quant import quantize_comms
+    from support.llama import Llama, LlamaArgs
 
     torch.manual_seed(0)
     model = Llama(LlamaArgs(**MODEL))
@@ -82,7 +82,7 @@ def _mesh(shape: tuple[int, ...]) -> Any:
 
 
 def _step(model: Any, opt: Any, step: int, rank: int) -> float:
-    from benchmarks.models import LlamaArgs, loss_fn, tokens
+    from support.llama import LlamaArgs, loss_fn, tokens
 
     x = tokens(step, rank, LlamaArgs(**MODEL), BATCH, SEQ)
     loss = loss_fn(model(x), x)
@@ -98,15 +98,18 @@ def _step(model: Any, opt: Any, step: int, rank: int) -> float:
 def bytes_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from benchmarks import analytic
-    from benchmarks.models import Llama, LlamaArgs, loss_fn, tokens
-    from tests.collectives import CollectiveRecorder
+    from support.collectives import CollectiveRecorder
+    from support.llama import Llama, LlamaArgs, loss_fn, tokens
 
     shape = tuple(job["mesh"])
     shard = shape[-1]
     replicate = world // shard
     base = Llama(LlamaArgs(**MODEL))
-    groups = analytic.plan_groups(base, list(base.layers), reshard_blocks=True, reshard_root=False)
+    blocks = [[p for p in b.parameters()] for b in base.layers]
+    in_blocks = {id(p) for b in blocks for p in b}
+    names = {id(p): n for n, p in base.named_parameters()}
+    groups = [([(names[id(p)], p) for p in g], True) for g in blocks]  # the blocks reshard after forward
+    groups.append(([(n, p) for n, p in base.named_parameters() if id(p) not in in_blocks], False))  # the root
     bits = {"int8": 8, "int4": 4}
     out: dict[str, Any] = {}
     for mp, mode in [("fp32", m) for m in MODES] + [("bf16", "exact"), ("bf16", "int8")]:
@@ -124,12 +127,58 @@ def bytes_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 kinds = counted.setdefault(phase, {})
                 kinds[r.kind] = kinds.get(r.kind, 0) + r.numel * torch.empty((), dtype=getattr(torch, r.dtype)).element_size()
         dtypes = (torch.bfloat16, torch.float32) if mp == "bf16" else (None, None)
-        expected = analytic.quantized_collective_bytes(
+        expected = quantized_collective_bytes(
             groups, shard, bits.get(weights or ""), bits.get(grads or ""), BLOCK, _is_exact, *dtypes, replicate=replicate)
         out[f"{mp}-{mode}"] = {"counted": counted, "analytic": expected,
                      "total": sum(v for kinds in counted.values() for v in kinds.values()),
                      "analytic_total": sum(v for kinds in expected.values() for v in kinds.values())}
     return {"mesh": list(shape), "modes": out, "n_params": sum(p.numel() for p in base.parameters())}
+
+
+def quantized_collective_bytes(
+    groups: list[tuple[list[tuple[str, Any]], bool]], world: int, weight_bits: int | None, grad_bits: int | None,
+    block: int, is_exact: Any, param_dtype: Any = None, reduce_dtype: Any = None, replicate: int = 1,
+) -> dict[str, Any]:
+    """Input bytes per rank of one forward+backward under ``fully_shard.quant``, by phase and collective, as the
+    recorder counts them, from the shapes: per group (its ``(name, parameter)`` pairs and whether it reshards after
+    forward), the quantized elements of a rank's padded row (``ceil(rows / world)`` rows of each parameter) in blocks
+    of ``block`` (4 scale bytes and ``block * bits / 8`` code bytes each, the last block padded) and the elements of
+    the parameters ``is_exact(name)`` keeps in their dtype. All-gather: one all-gather of that row. Reduce-scatter:
+    one all-to-all of ``world`` rows. HSDP (``replicate > 1``): the all-reduce of the shard is an all-to-all of
+    ``replicate`` chunks of its quantized part, an all-gather of one chunk and an fp32 all-reduce of its exact
+    elements. ``None`` bits: the exact collective."""
+    import math
+
+    def row(quant: int, exact: int, bits: int, exact_itemsize: int) -> int:
+        return math.ceil(quant / block) * (4 + block * bits // 8) + exact * exact_itemsize
+
+    out: dict[str, Any] = {"forward": {}, "backward": {}}
+
+    def add(phase: str, kind: str, nbytes: int) -> None:
+        out[phase][kind] = out[phase].get(kind, 0) + nbytes
+
+    for params, resharded in groups:
+        slot = {n: math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) for n, p in params}
+        quant = sum(k for n, k in slot.items() if not is_exact(n))
+        exact = sum(k for n, k in slot.items() if is_exact(n))
+        pdt = param_dtype or params[0][1].dtype
+        size, rsize = pdt.itemsize, (reduce_dtype or pdt).itemsize
+        ag = (quant + exact) * size if weight_bits is None or not quant else row(quant, exact, weight_bits, size)
+        for phase in ("forward", "backward") if resharded else ("forward",):
+            add(phase, "all_gather", ag)
+        if grad_bits is None or not quant:
+            add("backward", "reduce_scatter", world * (quant + exact) * rsize)
+            if replicate > 1:
+                add("backward", "all_reduce", (quant + exact) * rsize)
+            continue
+        add("backward", "all_to_all", world * row(quant, exact, grad_bits, rsize))
+        if replicate > 1:
+            c = math.ceil(quant / replicate)
+            add("backward", "all_to_all", replicate * row(c, 0, grad_bits, 0))
+            add("backward", "all_gather", row(c, 0, grad_bits, 0))
+            if exact:
+                add("backward", "all_reduce", exact * 4)
+    return out
 
 
 # -- error -------------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Any
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, job: Any, out_path: str) -> None:
-    from tests.harness import die_with_parent
+    from support.processes import die_with_parent
 
     die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

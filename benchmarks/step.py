@@ -1,18 +1,19 @@
-"""Per-rank bodies of the 2-rank jobs: step time, peak memory and collectives of one model
-under fully_shard, torch FSDP2, DDP and one unsharded process; fully_shard application
-time on a meta-device model.
+"""Step time, peak memory and collectives of one model under fully_shard, torch FSDP2, DDP and one unsharded
+process, on 2 gloo ranks (4 for HSDP), and what fully_shard's planner predicts of them.
 
-Every implementation starts from the same initial weights (one model built with seed 0 on
-every rank, deep-copied) and sees the same per-rank token batches.
+Every implementation starts from the same initial weights (one model built with seed 0 on every rank, deep-copied)
+and sees the same per-rank token batches. The peak memory of each library is the tracker's (``support/storages.py``)
+over one steady-state step; the plan (``fully_shard.plan`` with the job's own sharding as ``shard_fn``) is compared
+with fully_shard's peak without activations, and its collectives with those recorded for both libraries.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,46 +21,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from . import analytic
-from .memory import StorageTracker
-from .models import Llama, LlamaArgs, loss_fn, tokens
+from support.llama import FSDP_IMPLS, Llama, LlamaArgs, loss_fn, param_count, shard_model, tokens
+from support.storages import StorageTracker
 
-FSDP_IMPLS = ("fully_shard", "torch_fsdp2")
-
-
-def _api(impl: str) -> tuple[Callable[..., Any], type]:
-    if impl == "fully_shard":
-        from fully_shard import MixedPrecisionPolicy, fully_shard
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
-    return fully_shard, MixedPrecisionPolicy
-
-
-def shard_model(model: Llama, impl: str, mesh: Any, reshard: bool, mp: str) -> Llama:
-    """fully_shard each block (``reshard_after_forward=reshard``), then the root (default)."""
-    fully_shard, MP = _api(impl)
-    policy = MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp == "bf16" else MP()
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
+from .fmt import mib, ms, save_figure, table
+from .models import BENCH_OVERHEAD, BENCH_SMALL, BENCH_TINY
 
 
 def _mesh(job: dict[str, Any], world: int) -> Any:
     shape = tuple(job.get("mesh_shape") or (world,))
     names = ("dp_replicate", "dp_shard") if len(shape) == 2 else ("dp",)
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
-def _hsdp_support(mesh: Any) -> str | None:
-    """None if fully_shard accepts this 2-D (replicate, shard) mesh; else why not."""
-    from fully_shard import fully_shard
-
-    try:
-        fully_shard(nn.Linear(4, 4), mesh=mesh)
-    except NotImplementedError as exc:
-        return f"NotImplementedError: {exc}"
-    return None
 
 
 def _build(impl: str, base: Llama, job: dict[str, Any], mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -133,7 +105,7 @@ def _dtype_bytes(name: str) -> int:
 
 
 def _record_collectives(runner: _Runner) -> dict[str, Any]:
-    from tests.collectives import CollectiveRecorder
+    from support.collectives import CollectiveRecorder
 
     x = runner.batches[runner.n % len(runner.batches)]
     runner.n += 1
@@ -176,9 +148,6 @@ def _measure_memory(impl: str, base: Llama, job: dict[str, Any], mesh: Any, batc
         params = [p for p in runner.model.parameters()]
         grads = [p.grad for p in params if p.grad is not None]
         opt_state = [v for s in runner.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        # the forward+backward peak, split; then the whole step's (the optimizer may top it)
-        fwd_bwd_peak = mem.peak
-        fwd_bwd_breakdown = mem.breakdown({"params": params, "grads": grads, "optimizer": opt_state})
         mem.phase("optimizer")
         runner.opt.step()
         mem.phase(None)
@@ -194,6 +163,7 @@ def _measure_memory(impl: str, base: Llama, job: dict[str, Any], mesh: Any, batc
         after = mem.current
         peak = mem.peak
         phase_peaks = dict(mem.phase_peaks)
+        model_state = mem.report(existing=False)["model_state"]  # the step's, activations and gloo's copies aside
     del runner
     gc.collect()
     return {
@@ -202,8 +172,7 @@ def _measure_memory(impl: str, base: Llama, job: dict[str, Any], mesh: Any, batc
         "live_before_step_bytes": before - start,
         "live_after_step_bytes": after - start,
         "at_peak": breakdown,
-        "fwd_bwd_peak_bytes": fwd_bwd_peak - start,
-        "at_fwd_bwd_peak": fwd_bwd_breakdown,
+        "model_state_bytes": model_state,
         "state_bytes": state,
     }
 
@@ -213,14 +182,8 @@ def step_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     args = LlamaArgs(**job["args"])
     base = Llama(args)
     mesh = _mesh(job, world)
-    shard_world = mesh.size(mesh.ndim - 1)  # the shard dim is the last one (HSDP: replicate, shard)
-    replicate = world // shard_world
     batches = [tokens(s, rank, args, job["batch"], job["seq"]) for s in range(4)]
     result: dict[str, Any] = {"world_size": world, "mesh_shape": list(mesh.shape)}
-    if mesh.ndim == 2:
-        support = _hsdp_support(mesh)
-        if support is not None:
-            return {"not_supported": support, "world_size": world, "mesh_shape": list(mesh.shape)}
     k = job["steps_per_sample"]
     clock = time.perf_counter()
     phase_s: dict[str, float] = {}
@@ -256,24 +219,6 @@ def step_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         result["collectives"] = {impl: _record_collectives(runners[impl]) for impl in FSDP_IMPLS}
     del runners
     gc.collect()
-
-    groups = analytic.plan_groups(base, list(base.layers), reshard_blocks=job["reshard"], reshard_root=False)
-    bf16 = job["mp"] == "bf16"
-    result["analytic"] = {
-        "collectives": analytic.collective_bytes(
-            groups, shard_world, torch.bfloat16 if bf16 else None, torch.float32 if bf16 else None, replicate
-        ),
-        # rank r of the world is shard rank r % shard_world (the shard dim is the inner one)
-        "state_bytes_per_rank": [
-            analytic.per_rank_state_bytes(groups, shard_world, r % shard_world) for r in range(world)
-        ],
-        "group_unsharded_bytes": sorted(
-            (g.padded_numel(shard_world) * (2 if bf16 else 4) for g in groups), reverse=True
-        ),
-        "all_groups_unsharded_bytes": sum(g.padded_numel(shard_world) * (2 if bf16 else 4) for g in groups),
-        "n_params": sum(p.numel() for p in base.parameters()),
-        "n_groups": len(groups),
-    }
 
     lap("collectives")
     # -- baselines: DDP (both ranks), one unsharded process (rank 0 alone) -------------
@@ -318,42 +263,186 @@ def step_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-# -- meta-device application time ----------------------------------------------------------
+# -- the configurations, run and planned -------------------------------------------------------------------------
 
 
-def meta_apply_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    args = LlamaArgs(**job["args"])
-    mesh = init_device_mesh("cpu", (world,))
-    with torch.device("meta"):
-        Llama(args)  # first meta build pays one-off lazy initialisation
-    for impl in FSDP_IMPLS:  # ... and so does each library's first call (imports, caches)
-        with torch.device("meta"):
-            warm = Llama(LlamaArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=16))
-        shard_model(warm, impl, mesh, True, job["mp"])
-    times: dict[str, list[float]] = {impl: [] for impl in FSDP_IMPLS}
-    build: list[float] = []
-    n_params = 0
-    for rep in range(job["reps"]):
-        for impl in FSDP_IMPLS if rep % 2 == 0 else FSDP_IMPLS[::-1]:
-            t0 = time.perf_counter()
-            with torch.device("meta"):
-                model = Llama(args)
-            build.append(time.perf_counter() - t0)
-            n_params = sum(p.numel() for p in model.parameters())
-            gc.collect()
-            dist.barrier()
-            t0 = time.perf_counter()
-            shard_model(model, impl, mesh, True, job["mp"])
-            times[impl].append(time.perf_counter() - t0)
-            del model
-    out: dict[str, Any] = {"n_params": n_params, "build_median_s": statistics.median(build)}
-    for impl in FSDP_IMPLS:
-        out[impl] = _summary(_max_over_ranks(times[impl]))
+def _describe(args: LlamaArgs, batch: int, seq: int) -> str:
+    return (f"{param_count(args) / 1e6:.2f}M params, {args.n_layers} blocks of dim {args.dim} "
+            f"(ffn {args.ffn_dim}, vocab {args.vocab_size}), batch {batch}x{seq} per rank")
+
+
+def configs(quick: bool) -> list[dict[str, Any]]:
+    if quick:
+        job = dict(args=BENCH_TINY.as_dict(), batch=2, seq=16, mp="fp32", reshard=True, warmup=1, pairs=1, steps_per_sample=1)
+        return [{"name": "tiny-fsdp", "description": _describe(BENCH_TINY, 2, 16), "job": job}]
+    common = dict(args=BENCH_SMALL.as_dict(), batch=4, seq=64, warmup=2, pairs=5, steps_per_sample=2)
+    desc = _describe(BENCH_SMALL, 4, 64)
+    # memory is not the point of the overhead config (and tracking 32 blocks is slow)
+    overhead = dict(args=BENCH_OVERHEAD.as_dict(), batch=1, seq=8, mp="fp32", reshard=True, warmup=1, pairs=5,
+                    steps_per_sample=2, memory=False)
+    return [
+        {"name": "transformer-fsdp", "description": desc + ", fp32, reshard_after_forward=True",
+         "job": dict(common, mp="fp32", reshard=True)},
+        {"name": "transformer-no-reshard", "description": desc + ", fp32, reshard_after_forward=False",
+         "job": dict(common, mp="fp32", reshard=False)},
+        {"name": "transformer-bf16", "description": desc + ", MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+         "job": dict(common, mp="bf16", reshard=True)},
+        {"name": "hsdp-2x2", "world_size": 4, "description": _describe(BENCH_SMALL, 2, 64) + ", fp32, HSDP mesh "
+         "(replicate 2, shard 2) on 4 ranks", "job": dict(common, batch=2, mp="fp32", reshard=True, mesh_shape=[2, 2], warmup=1)},
+        {"name": "overhead", "description": _describe(BENCH_OVERHEAD, 1, 8) + ", fp32", "job": overhead},
+    ]
+
+
+def planned(job: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    """``fully_shard.plan`` of the job's step on every rank: its sharding as ``shard_fn``, AdamW with ``foreach``."""
+    import fully_shard
+
+    shape = tuple(job.get("mesh_shape") or (world,))
+    out = []
+    for rank in range(world):  # rank r of the world is shard rank r % N (the shard dim is the inner one)
+        plan = fully_shard.plan(functools.partial(Llama, LlamaArgs(**job["args"])), shape, rank=rank % shape[-1],
+                                shard_fn=lambda model, mesh: shard_model(model, "fully_shard", mesh, job["reshard"], job["mp"]),
+                                device_type="cpu", foreach=True)
+        out.append({k: getattr(plan, k) for k in ("peak_bytes", "peak_at", *_COUNTS.values(), *_BYTES.values())})
     return out
 
 
-def quick_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """--quick: the step job and the meta application job in one spawn."""
-    res = step_job(rank, world, job)
-    res["meta_apply"] = meta_apply_job(rank, world, job["meta_apply"])
-    return res
+def run(quick: bool, log: Any) -> list[dict[str, Any]]:
+    from .spawn import run_job
+
+    done = []
+    for cfg in configs(quick):
+        log(f"[benchmarks] {cfg['name']}: {cfg['description']}")
+        world = cfg.get("world_size", 2)
+        res, err, wall = run_job(step_job, cfg["job"], nprocs=world, timeout_s=480)
+        done.append(dict(cfg, result=res, error=err, wall_s=wall, planned=planned(cfg["job"], world)))
+        log(f"[benchmarks]   done in {wall:.0f} s" + (f" (error: {err.splitlines()[-1]})" if err else ""))
+    return done
+
+
+# -- the page --------------------------------------------------------------------------------------------------------
+
+_COUNTS = {"all_gather": "all_gathers", "reduce_scatter": "reduce_scatters", "all_reduce": "all_reduces"}  # the plan's
+_BYTES = {"all_gather": "all_gather_input_bytes", "reduce_scatter": "reduce_scatter_input_bytes",
+          "all_reduce": "all_reduce_bytes"}
+IMPL_NAMES = {"fully_shard": "fully_shard", "torch_fsdp2": "torch FSDP2", "ddp": "DDP", "unsharded": "unsharded (1 proc)"}
+TARGET_RATIO_TRANSFORMER, TARGET_RATIO_OVERHEAD, TARGET_PLAN = 0.9, 0.5, 0.01
+
+
+def recorded(res: dict[str, Any], impl: str) -> dict[str, tuple[int, int]]:
+    """(count, input bytes) per kind of the recorded step's collectives, all phases together."""
+    out: dict[str, tuple[int, int]] = {}
+    for kinds in res["collectives"][impl].values():
+        for kind, k in kinds.items():
+            n, b = out.get(kind, (0, 0))
+            out[kind] = (n + k["count"], b + k["input_bytes"])
+    return out
+
+
+def _of_plan(plan: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    return {kind: (plan[_COUNTS[kind]], plan[_BYTES[kind]]) for kind in _COUNTS if plan[_COUNTS[kind]]}
+
+
+def verdict(ratio: dict[str, float]) -> str:
+    if ratio["max"] < 1.0:
+        return "fully_shard faster in every pair"
+    if ratio["min"] > 1.0:
+        return "fully_shard slower in every pair"
+    return "no difference beyond the spread"
+
+
+def _time_row(c: dict[str, Any]) -> list[Any]:
+    if not c["result"]:
+        return [c["name"], c["description"], "error (see Errors)"] + [""] * 6
+    st, r, loss = c["result"]["step_time"], c["result"]["ratio"], c["result"]["final_loss"]
+    same = loss["fully_shard"] == loss["torch_fsdp2"]
+    return [c["name"], c["description"], ms(st["fully_shard"]["median_s"]), ms(st["torch_fsdp2"]["median_s"]),
+            f"**{r['median']:.2f}** [{r['min']:.2f}, {r['max']:.2f}] ({len(r['pairs'])} pairs)", verdict(r),
+            ms(st.get("ddp", {}).get("median_s")), ms(st.get("unsharded", {}).get("median_s")),
+            "bitwise equal" if same else f"{loss['fully_shard']:.6g} vs {loss['torch_fsdp2']:.6g}"]
+
+
+def _cells(got: dict[str, tuple[int, int]]) -> list[str]:
+    return [f"{n} / {b:,} B" if n else "0" for n, b in (got.get(kind, (0, 0)) for kind in _COUNTS)]
+
+
+def render(done: list[dict[str, Any]]) -> list[str]:
+    ran = [c for c in done if c["result"]]
+    out = ["## Step time", "", table(["config", "model / batch", "fully_shard ms", "torch FSDP2 ms", "ratio median [min, max]",
+                                      "verdict", "DDP ms", "unsharded ms", "loss after the timed steps (ours vs torch)"],
+                                     [_time_row(c) for c in done]), "",
+           "`unsharded` is one process (rank 0 alone, rank 1 idle) running the per-rank batch: the compute floor of "
+           "one rank. DDP and unsharded run in fp32 in every config (also `bf16`). HSDP runs on 4 ranks (2 replicas x "
+           "2 shards), so 4 processes share the cores: compare its ratio, not its absolute times, with the 2-rank rows.",
+           ""]
+    rows = []
+    for c in ran:
+        for rank, m in enumerate(c["result"].get("memory_per_rank") or []):
+            ours, theirs, plan = m["fully_shard"], m["torch_fsdp2"], c["planned"][rank]["peak_bytes"]
+            rows.append([c["name"], rank, mib(ours["peak_bytes"]), mib(theirs["peak_bytes"]),
+                         f"{ours['peak_bytes'] / theirs['peak_bytes']:.3f}", mib(m.get("ddp", {}).get("peak_bytes")),
+                         mib(m.get("unsharded", {}).get("peak_bytes")), mib(ours["model_state_bytes"]), mib(plan),
+                         f"{plan / ours['model_state_bytes'] - 1:+.2%}",
+                         max(ours["phase_peak_bytes"], key=ours["phase_peak_bytes"].get)])
+    out += ["## Peak memory per rank (exact storage bytes)", "",
+            "Peak of live tensor-storage bytes during one steady-state step (the 2nd: optimizer state exists), from "
+            "`support/storages.py`'s `StorageTracker` (a TorchDispatchMode that follows every untyped storage and "
+            "`UntypedStorage.resize_`; not RSS); the model is built inside the tracker. `without activations`: "
+            "fully_shard's peak of parameters, gradients, optimizer state and buffers in flight (activations and "
+            "gloo's private copies aside), against `fully_shard.plan` of the same sharding on a fake process group "
+            "(docs/tools.md).", "",
+            table(["config", "rank", "fully_shard MiB", "torch FSDP2 MiB", "ours/torch", "DDP MiB", "unsharded MiB",
+                   "fully_shard without activations MiB", "planned MiB", "plan vs measured", "ours peak phase"], rows), ""]
+    rows = []
+    for c in (c for c in ran if "collectives" in c["result"]):
+        want = _of_plan(c["planned"][0])
+        rows.append([c["name"], "fully_shard.plan", *_cells(want), ""])
+        for impl in ("fully_shard", "torch_fsdp2"):
+            got = recorded(c["result"], impl)
+            rows.append([c["name"], IMPL_NAMES[impl], *_cells(got), "equal" if got == want else "**differs**"])
+    out += ["## Collectives per step per rank", "",
+            "Recorded with `support.collectives.CollectiveRecorder` over one steady-state step (forward, backward, "
+            "optimizer step), rank 0: count / input bytes (all-gather: the padded shard; reduce-scatter: W x it), "
+            "against the plan's, which are the collectives fully_shard issued on the fake process group.", "",
+            table(["config", "who", "all-gathers", "reduce-scatters", "all-reduces", "vs plan"], rows), ""]
+    return out
+
+
+def targets(done: list[dict[str, Any]]) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for c in (c for c in done if c["result"]):
+        target = TARGET_RATIO_OVERHEAD if c["name"] == "overhead" else TARGET_RATIO_TRANSFORMER
+        r = c["result"]["ratio"]
+        ok = "met" if r["max"] <= target else ("not met" if r["min"] > target else "unclear (spread straddles it)")
+        rows.append([f"step time `{c['name']}` <= {target}x torch", f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]", ok])
+        mem = c["result"].get("memory_per_rank")
+        if mem:
+            worst = max(m["fully_shard"]["peak_bytes"] / m["torch_fsdp2"]["peak_bytes"] for m in mem)
+            rows.append([f"peak memory `{c['name']}` <= torch", f"max over ranks {worst:.3f}x torch", "met" if worst <= 1.0 else "not met"])
+            error = max(abs(p["peak_bytes"] / m["fully_shard"]["model_state_bytes"] - 1) for m, p in zip(mem, c["planned"]))
+            rows.append([f"planned peak `{c['name']}` within 1% of measured", f"max over ranks {error:.3%}",
+                         "met" if error <= TARGET_PLAN else "not met"])
+    checks = [recorded(c["result"], impl) == _of_plan(c["planned"][0]) for c in done
+              if c["result"] and "collectives" in c["result"] for impl in ("fully_shard", "torch_fsdp2")]
+    if checks:
+        rows.append(["collectives (count and bytes) as planned", f"{sum(checks)}/{len(checks)} checks",
+                     "met" if all(checks) else "not met"])
+    return rows
+
+
+def plots(done: list[dict[str, Any]], plt: Any, out_dir: str, stem: str) -> list[str]:
+    ran = [c for c in done if c["result"]]
+    if not ran:
+        return []
+    fig, ax = plt.subplots(figsize=(max(4, 1.5 * len(ran)), 4))
+    ratios = [c["result"]["ratio"] for c in ran]
+    ax.errorbar(range(len(ran)), [r["median"] for r in ratios], fmt="o", capsize=5,
+                yerr=[[r["median"] - r["min"] for r in ratios], [r["max"] - r["median"] for r in ratios]])
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(TARGET_RATIO_TRANSFORMER, color="gray", lw=0.8, ls="--", label="target 0.9 (transformer)")
+    ax.axhline(TARGET_RATIO_OVERHEAD, color="gray", lw=0.8, ls=":", label="target 0.5 (overhead)")
+    ax.set_xticks(list(range(len(ran))))
+    ax.set_xticklabels([c["name"] for c in ran], rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="step time fully_shard / torch FSDP2", title="median ratio, bars = min/max over pairs")
+    ax.legend(fontsize=7)
+    return [save_figure(plt, fig, out_dir, f"{stem}-step-time-ratio.png")]

@@ -8,7 +8,7 @@ Pieces: ``ModelArgs`` (a dataclass), ``RMSNorm``, rotary position embeddings (co
 works after ``fully_shard`` or after ``to_empty()`` on a meta-device model.
 
 This file is self-contained on purpose, so that the recipe reads (and copies) on its own:
-the tests and benchmarks share another Llama (``benchmarks/models.py``), without rotary
+the tests and benchmarks share another Llama (``support/llama.py``), without rotary
 embeddings or an init scheme, with small uneven shapes that exercise padding.
 """
 

@@ -9,6 +9,10 @@ or, for a framework that calls torch's ``fully_shard`` for you (accelerate, the 
     import fully_shard; fully_shard.install()
 """
 
+from __future__ import annotations
+
+import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 from .api import (
@@ -21,15 +25,12 @@ from .api import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from .comm import CollectiveError
+from .comm import DEBUG_ENV, CollectiveError
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .tools.clip import clip_grad_norm_
-from .tools.debug import CollectiveMismatchError
-from .tools.init import broadcast_full_state_dict, materialize
-from .tools.plan import plan
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the names below, for type checkers; loaded by __getattr__ at first use
     from .switch import install, uninstall
+    from .tools import CollectiveMismatchError, broadcast_full_state_dict, clip_grad_norm_, materialize, plan
 
 __all__ = [
     # torch's FSDP2 names
@@ -43,12 +44,17 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+# the names loaded at first use (PEP 562), so that importing fully_shard loads no tool; the switch is the one module
+# that imports torch's FSDP2 namespaces (to replace names there)
+_LAZY = {**dict.fromkeys(("install", "uninstall"), ".switch"), **dict.fromkeys(
+    ("materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_", "CollectiveMismatchError"), ".tools")}
+
 
 def __getattr__(name: str) -> Any:
-    # install/uninstall live in fully_shard.switch, the one module that imports torch's FSDP2 namespaces (to replace
-    # names there): imported when first asked for, so `import fully_shard` alone does not load them
-    if name in ("install", "uninstall"):
-        from . import switch
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)
 
-        return getattr(switch, name)
-    raise AttributeError(f"module 'fully_shard' has no attribute {name!r}")
+
+if os.environ.get(DEBUG_ENV, "") == "1":  # the collective debug mode for the whole run, without a code change
+    importlib.import_module(".tools.debug", __name__).set_debug(True)

@@ -205,7 +205,7 @@ def fully_shard(
 
 def check_options(mp_policy: Any, offload_policy: Any, reshard_after_forward: Any) -> None:
     """The checks ``fully_shard`` makes of its policies and ``reshard_after_forward`` before it looks at the mesh
-    (which ``mesh.resolve_reshard_after_forward`` checks an int against). Pure: the memory planner makes them too."""
+    (which ``mesh.resolve_reshard_after_forward`` checks an int against)."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -283,8 +283,8 @@ def walk_params(modules: tuple[nn.Module, ...],
                 is_sharded: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module, str, nn.Parameter]]:
     """Every registration ``(fqn, module, name, parameter)`` that a ``fully_shard`` call on ``modules`` reaches. Each
     module is visited once, children before its own parameters, and a module that ``is_sharded`` says an earlier
-    (inner) call sharded is not entered. A parameter registered in several places comes once per place. Pure: the
-    memory planner walks a meta-device model with it.
+    (inner) call sharded is not entered. A parameter registered in several places comes once per place. Pure:
+    ``fully_shard.quant`` walks a sharded module with it.
 
     Example::
 

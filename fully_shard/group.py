@@ -45,18 +45,6 @@ _TRANSITIONS = {
 }
 
 
-def next_state(label: str, current: GroupState, new: GroupState) -> GroupState:
-    """``new`` if the transition table lets a group go there from ``current``; otherwise an internal error naming the
-    group. Pure: the memory planner replays a step through it.
-
-    Example::
-
-        >>> next_state("layers.0", GroupState.SHARDED, GroupState.UNSHARDING)
-        <GroupState.UNSHARDING: 3>
-    """
-    return transition(f"group {label}", _TRANSITIONS, current, new)
-
-
 class GradState(Enum):
     """What a group owes the backward. Gradients kept with gradient sync off are data, not state: each parameter's
     ``accumulated_grad`` (one full gradient, in the reduce dtype) holds them whatever the member."""
@@ -125,7 +113,7 @@ class ParamGroup:
         self._ext = [[g for p in b if (g := p.self_gather) is not None] for b in ext]
 
     def _move_to(self, state: GroupState, reset: bool = False) -> None:
-        self.state = state if reset else next_state(self.label, self.state, state)
+        self.state = state if reset else transition(f"group {self.label}", _TRANSITIONS, self.state, state)
 
     def move_grads(self, state: GradState) -> None:
         self.grad_state = transition(f"group {self.label}'s gradients", _GRAD_TRANSITIONS, self.grad_state, state)

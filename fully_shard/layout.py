@@ -67,7 +67,7 @@ def shard_layout(shape: Sequence[int], world: int, rank: int) -> ShardLayout:
 
     ``torch.chunk`` semantics: ``c = ceil(rows / world)`` rows per rank; rank ``r`` holds rows
     ``[r*c, min((r+1)*c, rows))`` and every rank's slot in the flat collective buffers is ``c``
-    rows (padded). Pure: :class:`RowLayout` and the memory planner both lay out with it.
+    rows (padded). Pure: :class:`RowLayout` lays out with it (public as ``fully_shard.tools.shard_layout``).
 
     Example::
 

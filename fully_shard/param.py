@@ -9,6 +9,7 @@ from typing import Any, cast
 import torch
 import torch.nn as nn
 from torch._prims_common import make_contiguous_strides_for
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -461,8 +462,10 @@ def _alloc_storage(t: torch.Tensor) -> None:
 
 
 def _is_subclass(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a tensor subclass with its own ``__torch_dispatch__`` (nn.Parameter and the like are plain)."""
-    return getattr(type(t), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
+    """Whether ``t`` is a tensor subclass with its own ``__torch_dispatch__`` (nn.Parameter and the like are plain, and
+    so is a FakeTensor, which stands for a plain one: the memory planner runs fully_shard on them)."""
+    return (getattr(type(t), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
+            and not isinstance(t, FakeTensor))
 
 
 def _has_hooks(t: torch.Tensor, fqn: str) -> bool:

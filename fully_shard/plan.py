@@ -1,23 +1,12 @@
-"""``python -m fully_shard.plan``: the memory planner's command line (``fully_shard.tools.cli``).
-Imported, this module (then ``fully_shard.plan``) still plans when called, as the function does."""
-
-from __future__ import annotations
+"""``python -m fully_shard.plan``: the planner's command line. Never imported: ``fully_shard.plan`` is the planner
+function, which this module would hide."""
 
 import sys
-import types
-from typing import Any
 
-from .tools.cli import main
-from .tools.plan import Plan
-from .tools.plan import plan as _plan
+if __name__ != "__main__":
+    raise ImportError("fully_shard.plan is the memory planner function (call fully_shard.plan(model, mesh_shape, "
+                      "...)); this file only runs its command line: python -m fully_shard.plan --help")
 
+from fully_shard.tools.planner.cli import main  # noqa: E402  # after the check: importing this file is an error
 
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
-        return _plan(*args, **kwargs)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-else:
-    sys.modules[__name__].__class__ = _CallableModule
+sys.exit(main())

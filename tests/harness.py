@@ -63,14 +63,18 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
+
+from support.processes import die_with_parent
 
 __all__ = [
     "DEVICE_ENV",
     "DistributedTestFailure",
     "GLOO_ALL_GATHER_REFUSED",
     "backend_for",
+    "concurrently",
     "device",
     "device_type",
     "gloo_skip_reason",
@@ -274,18 +278,6 @@ def _flush_std_streams() -> None:
         try:
             stream.flush()
         except Exception:  # pragma: no cover
-            pass
-
-
-def die_with_parent() -> None:
-    """Linux: ask the kernel to SIGKILL this process when its parent dies, so no worker (or
-    benchmark rank) outlives a test run that was killed hard (a CI timeout, SIGKILL)."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):  # pragma: no cover - no libc prctl
             pass
 
 
@@ -670,3 +662,16 @@ def run_distributed(
             "not every rank entered, or mismatched collective order. The worker pool was killed."
         )
     raise DistributedTestFailure("\n".join(lines), failures, unfinished, results)
+
+
+def concurrently(*calls: Callable[[], Any]) -> list[Any]:
+    """Run independent ``calls`` at the same time, one thread each; return their results in order, or raise the
+    exception of the first call (in order) that raised, once every call has ended. For tests that start several independent jobs as
+    subprocesses (examples/train.py runs, each with its own ports and files): a job spends much of its time waiting
+    (process start-up, polling, a replica group idle while another restarts), which the other jobs fill::
+
+        full, first = concurrently(lambda: _train(FULL), lambda: _train(FIRST))
+    """
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]

@@ -1,8 +1,8 @@
-"""The tests' model: the benchmarks' Llama (``benchmarks/models.py``) at small, uneven shapes.
+"""The tests' model: the shared Llama (``support/llama.py``) at small, uneven shapes.
 
 ``ModelArgs`` holds the test shapes: dim 100 over 4 heads, ffn 150, vocab 67, so that dim-0
 chunks are padded at world sizes 2 and 4. ``Transformer`` adds two things the tests need to
-the benchmarks' ``Llama``: a non-persistent buffer (``pos``) and a parameter whose dim 0
+the shared ``Llama``: a non-persistent buffer (``pos``) and a parameter whose dim 0
 (size 1) is smaller than any world size > 1 (``logit_scale``).
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from benchmarks.models import Attention, Block, FeedForward, Llama, LlamaArgs, RMSNorm, loss_fn, tokens
+from support.llama import Attention, Block, FeedForward, Llama, LlamaArgs, RMSNorm, loss_fn, tokens
 from tests.harness import device
 
 __all__ = ["Attention", "Block", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "batch", "loss_fn"]
@@ -65,6 +65,6 @@ class Transformer(Llama):
 
 
 def batch(step: int, rank: int, args: LlamaArgs | None = None, batch_size: int = 2) -> torch.Tensor:
-    """Different tokens per rank and step, the same on every run (the benchmarks' ``tokens``)."""
+    """Different tokens per rank and step, the same on every run (``support.llama.tokens``)."""
     args = args or ModelArgs()
     return tokens(step, rank, args, batch_size, args.max_seq_len).to(device())

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import fully_shard as fully_shard_lib
 from fully_shard import fully_shard
-from tests.collectives import CollectiveRecorder
+from support.collectives import CollectiveRecorder
 from tests.harness import device, device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 from tests.oracle import average_gradients

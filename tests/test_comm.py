@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.collectives import CollectiveRecord, CollectiveRecorder, format_records, split_phases
+from support.collectives import CollectiveRecord, CollectiveRecorder, format_records, split_phases
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 from tests.torch_features import has_torch_feature

@@ -22,8 +22,7 @@ WARMUP = 5
 
 
 def _train(impl: str, steps: int) -> dict[str, Any]:
-    from benchmarks.models import Llama, LlamaArgs, loss_fn, tokens
-    from benchmarks.step import shard_model
+    from support.llama import Llama, LlamaArgs, loss_fn, shard_model, tokens
 
     dev = device()
     args = LlamaArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=688, vocab_size=1001, max_seq_len=128)

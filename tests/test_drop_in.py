@@ -701,7 +701,7 @@ def _experts(
 ) -> dict[str, Any]:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-    from tests.collectives import CollectiveRecorder
+    from support.collectives import CollectiveRecorder
     from tests.test_subclass_params import HalfGather, _full
 
     shard, result = _ours_or_torch(use_torch, placement_result=True)

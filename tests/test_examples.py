@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 
+from tests.harness import concurrently
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
 
@@ -108,10 +110,11 @@ def test_optimizer_in_backward_trains_to_the_same_losses(tmp_path: object) -> No
     every element), and less held per rank (no step keeps every gradient)."""
     flags = ["--nproc", "2", "--steps", "3", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
              "--warmup", "1", "--grad-accum", "2", "--max-norm", "0", "--tokenizer", "bytes", "--exact-loss", "--log-every",
-             "1", "--eval-every", "0", "--no-plot", "--no-progress", "--metrics", os.path.join(str(tmp_path), "m.jsonl")]
+             "1", "--eval-every", "0", "--no-plot", "--no-progress"]
     runs = []
-    for extra in ([], ["--optimizer-in-backward"]):
-        result = _run(flags + extra, timeout=150)
+    usual, in_backward = ([*flags, "--metrics", os.path.join(str(tmp_path), f"{name}.jsonl"), *extra]
+                          for name, extra in (("usual", []), ("in_backward", ["--optimizer-in-backward"])))
+    for result in concurrently(lambda: _run(usual, timeout=150), lambda: _run(in_backward, timeout=150)):
         log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
         assert result.returncode == 0, log
         losses = re.findall(r"^step\s+\d+/3 \| loss (\S+) ", result.stdout, re.M)

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tests.collectives import CollectiveRecorder
+from support.collectives import CollectiveRecorder
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer, average_gradients, check_gradients, check_parameters, close, ref_tol

@@ -103,9 +103,14 @@ def test_a_missing_torch_feature_skips_naming_it_and_the_torch_that_has_it(monke
         torch_features.skip_without_torch_feature("dist.all_gather_single")
 
 
-def test_trace_analysis_finds_streams_and_overlap() -> None:
+def _gpu_check(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.gpu_check ARGV`` in a process of its own (the tests never import the benchmarks)."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_trace_analysis_finds_streams_and_overlap(tmp_path: pathlib.Path) -> None:
     """The device-kernel path of the analysis, on a synthetic trace (times in us)."""
-    from benchmarks.gpu_check import analyse_trace, render
 
     def kernel(name: str, stream: int, ts: float, dur: float) -> dict[str, object]:
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream, "args": {"stream": stream}}
@@ -113,38 +118,29 @@ def test_trace_analysis_finds_streams_and_overlap() -> None:
     events = [kernel("ampere_bf16_gemm", 7, 0, 100), kernel("CatArrayBatchedCopy", 20, 40, 10),
               kernel("ncclDevKernel_AllGather_RING_LL", 20, 50, 30),
               kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 24, 90, 30)]
-    path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"fully_shard_trace_{os.getpid()}.json.gz"
-    try:
-        with gzip.open(path, "wt") as f:
-            json.dump({"traceEvents": events}, f)
-        got = analyse_trace(str(path))
-    finally:
-        path.unlink(missing_ok=True)
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    proc = _gpu_check("--analyse", str(path))
+    assert proc.returncode == 0, proc.stderr
+    first, *table = proc.stdout.splitlines()
+    got = json.loads(first)
     assert got["compute_stream"] == "7"
     assert got["collectives"] == {"all-gather": ["20"], "reduce-scatter": ["24"]}
     side, rs = got["streams"]["20"], got["streams"]["24"]
     assert side["kinds"] == ["all-gather", "compute"] and side["kernels"] == 2  # copy-in + all-gather
     assert side["overlap"] == 1.0  # 40..80 inside the gemm's 0..100
     assert abs(rs["overlap"] - 10 / 30) < 1e-12  # 90..100 of 90..120
-    meta = {"date": "d", "device": "gpu", "dry_run": False, "torch": "t", "commit": "c", "backend": "b",
-            "model": "m", "params": 1, "batch_size": 1, "seq_len": 1, "steps": 1, "warmup": 1,
-            "offload_steps": 1, "offload_model": "m"}
-    text = render(meta, [], got, {"trace": "t.json.gz", "svg": "s.svg"})
-    assert "| 20 | 2 | 0.04 | all-gather, compute | 100% |" in text, text
-    assert "| 24 | 1 | 0.03 | reduce-scatter | 33% |" in text, text
-
-
-def _dry_run(out: str) -> dict[str, object]:
-    from benchmarks import gpu_check
-
-    result = gpu_check.run(gpu_check.parse(["--dry-run", "--out", out]), torch.device("cpu"))
-    return {"losses": {(r["impl"], r["offload"]): r["losses"] for r in result["runs"]}, "stem": result["stem"]}
+    assert "| 20 | 2 | 0.04 | all-gather, compute | 100% |" in table, table
+    assert "| 24 | 1 | 0.03 | reduce-scatter | 33% |" in table, table
 
 
 def test_gpu_check_dry_run(tmp_path: pathlib.Path) -> None:
-    got = run_distributed(_dry_run, 1, str(tmp_path))[0]
-    stem = pathlib.Path(got["stem"])
-    text = stem.with_suffix(".md").read_text()
+    proc = _gpu_check("--dry-run", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    (md,) = tmp_path.glob("*.md")
+    stem = md.with_suffix("")
+    text = md.read_text()
     for impl in ("fully_shard", "torch_fsdp2"):
         assert f"| {impl} | no |" in text and f"| {impl} | CPU |" in text, text
     assert "Dry run on the CPU" in text
@@ -155,7 +151,7 @@ def test_gpu_check_dry_run(tmp_path: pathlib.Path) -> None:
     with gzip.open(f"{stem}-trace.json.gz", "rt") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert "fully_shard::pre_forward" in names and "fully_shard::post_backward" in names
-    losses = got["losses"]
+    losses = {(r["impl"], r["offload"]): r["losses"] for r in json.loads(stem.with_suffix(".json").read_text())["runs"]}
     for offload in (False, True):
         # same initial weights and tokens; bf16 compute, so a bf16-sized tolerance between libraries
         torch.testing.assert_close(losses[("fully_shard", offload)], losses[("torch_fsdp2", offload)],
@@ -164,7 +160,6 @@ def test_gpu_check_dry_run(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
 def test_gpu_check_without_gpu_exits_with_a_message() -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = _gpu_check()
     assert proc.returncode == 2, proc.stderr
     assert "no GPU here" in proc.stderr and "--dry-run" in proc.stderr

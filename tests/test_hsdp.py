@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from fully_shard import fully_shard
 from fully_shard import mesh as mesh_module
-from tests.collectives import CollectiveRecorder
+from support.collectives import CollectiveRecorder
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 from tests.oracle import REF_TOL, check_parameters, close, placements_like_torch, train_step

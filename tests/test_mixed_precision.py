@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from tests.collectives import CollectiveRecorder
+from support.collectives import CollectiveRecorder
 from tests.harness import device, device_type, run_distributed
 from tests.models import Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer, average_gradients

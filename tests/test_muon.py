@@ -48,7 +48,7 @@ from fully_shard.optim import (
     newton_schulz_flops,
     owned_matrices,
 )
-from tests.collectives import CollectiveRecorder
+from support.collectives import CollectiveRecorder
 from tests.harness import device, device_type, run_distributed
 from tests.oracle import ShardwiseOptimizer
 
@@ -527,25 +527,25 @@ def test_next_bucket_all_to_all_issued_before_this_bucket_compute(monkeypatch: p
 
 
 def test_bytes_of_all_ranks_sum_to_analytic_when_rows_divide() -> None:
-    """The benchmark's simulation (benchmarks/muon.py) predicts every rank's bytes from the layout;
-    over Llama 3.2 3B's block matrices, whose rows divide by 64 and 1024, they sum to the analytic
+    """``sent_bytes`` (which the benchmark's simulation, benchmarks/muon.py, predicts with) gives every rank's bytes
+    from the layout; over Llama 3.2 3B's block matrices, whose rows divide by 64 and 1024, they sum to the analytic
     ``2 x (W-1)/W x matrix bytes`` exactly (integers: each owner holds 1/W of its matrix, the rest
     crosses the wire once each way). Uneven rows (the test model at 4 ranks) do not: owners hold
     ceil(M/W) rows, or none."""
-    from benchmarks.models import LLAMA32_3B, Llama
-    from benchmarks.muon import _block_matrices, predicted_sent_bytes
+    from fully_shard.optim.owned import sent_bytes
+    from support.llama import LLAMA32_3B, Llama
 
     with torch.device("meta"):
-        shapes = [tuple(p.shape) for _, p in _block_matrices(Llama(LLAMA32_3B))]
+        shapes = [tuple(p.shape) for n, p in Llama(LLAMA32_3B).named_parameters() if n.startswith("layers.") and p.ndim == 2]
     matrix_bytes = sum(m * n for m, n in shapes) * 2  # bf16
     for world in (64, 1024):
         assert all(m % world == 0 for m, _ in shapes), world
-        assert sum(predicted_sent_bytes(shapes, world)) * world == 2 * (world - 1) * matrix_bytes, world
+        assert sum(sent_bytes(shapes, world)) * world == 2 * (world - 1) * matrix_bytes, world
     torch.manual_seed(0)
     uneven = [tuple(p.shape) for _, p in _matrices(Net())]
     owners = assign_owners([newton_schulz_flops(s) for s in uneven], 4)
     held = [min(math.ceil(m / 4), max(m - o * math.ceil(m / 4), 0)) for (m, _), o in zip(uneven, owners)]
-    assert sum(predicted_sent_bytes(uneven, 4)) == sum(2 * (m - h) * n * 2 for (m, n), h in zip(uneven, held))
+    assert sum(sent_bytes(uneven, 4)) == sum(2 * (m - h) * n * 2 for (m, n), h in zip(uneven, held))
 
 
 def _errors() -> list[tuple[str, str]]:

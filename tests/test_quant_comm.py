@@ -367,7 +367,7 @@ def _analytic_bytes(model: nn.Module, world: int, block: int, w_bits: int, g_bit
 
 def _count_bytes() -> dict[str, dict[str, int]]:
     from fully_shard import fully_shard
-    from tests.collectives import CollectiveRecorder
+    from support.collectives import CollectiveRecorder
 
     world = dist.get_world_size()
     model = Transformer(ARGS)

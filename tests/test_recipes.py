@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import run_distributed
+from tests.harness import concurrently, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
@@ -140,16 +140,17 @@ def test_train_resume_continues_the_loss_curve_bitwise(tmp_path: Any) -> None:
     (no_tqdm / "tqdm" / "__init__.py").write_text("raise ImportError('tqdm hidden by the test')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(no_tqdm), os.environ.get("PYTHONPATH")])))
 
-    full = _train([*TINY, "--steps", "6", "--ckpt-every", "3", "--ckpt-dir", str(tmp_path / "a"), "--no-plot",
-                   "--metrics", str(tmp_path / "full.jsonl")], env=env)
+    # the uninterrupted run, and (at the same time: independent) the run interrupted after step 3, then resumed: the
+    # warmup (10 steps) makes the learning rate of step 4 depend on the restored schedule, the batches on the
+    # restored data position
+    b = str(tmp_path / "b")
+    full, first = concurrently(
+        lambda: _train([*TINY, "--steps", "6", "--ckpt-every", "3", "--ckpt-dir", str(tmp_path / "a"), "--no-plot",
+                        "--metrics", str(tmp_path / "full.jsonl")], env=env),
+        lambda: _train([*TINY, "--steps", "3", "--ckpt-every", "3", "--ckpt-dir", b, "--no-plot",
+                        "--metrics", str(tmp_path / "resumed.jsonl")]))
     assert "tqdm is not installed, printing log lines only" in full.stdout, full.stdout
     assert sorted(os.listdir(tmp_path / "a")) == ["step_3", "step_6"]
-
-    # interrupted after step 3, then resumed: the warmup (10 steps) makes the learning rate
-    # of step 4 depend on the restored schedule, the batches on the restored data position
-    b = str(tmp_path / "b")
-    first = _train([*TINY, "--steps", "3", "--ckpt-every", "3", "--ckpt-dir", b, "--no-plot",
-                    "--metrics", str(tmp_path / "resumed.jsonl")])
     png = str(tmp_path / "curve.png")
     resumed = _train([*TINY, "--steps", "6", "--ckpt-every", "3", "--ckpt-dir", b, "--resume", "--plot", png,
                       "--metrics", str(tmp_path / "resumed.jsonl")])

@@ -310,7 +310,7 @@ def test_tie_kept_through_meta_init_state_dicts_dcp_and_ckpt(tmp_path: Any) -> N
 
 
 def test_planner_plans_a_tie_across_calls_once_and_notes_it() -> None:
-    from fully_shard.tools.plan import plan
+    from fully_shard import plan
     from tests.models import Block
 
     with torch.device("meta"):

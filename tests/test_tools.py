@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fully_shard import FSDPModule, fully_shard
 from fully_shard.tools import CollectiveMismatchError, apply_fully_shard, debug_collectives, trace_comm
-from tests.collectives import CollectiveRecorder
+from support.collectives import CollectiveRecorder
 from tests.harness import device_type, run_distributed
 from tests.models import Block, ModelArgs, Transformer, batch, loss_fn
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["MatrixLayout", "matrix_layout", "owned_matrices", "assign_owners", "newton_schulz_flops"]
+__all__ = ["MatrixLayout", "matrix_layout", "owned_matrices", "assign_owners", "newton_schulz_flops", "sent_bytes"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,26 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
         owners[i] = owner
         load[owner] += costs[i]
     return owners
+
+
+def sent_bytes(shapes: Sequence[tuple[int, int]], world: int, element_size: int = 2) -> list[int]:
+    """Bytes each rank of ``world`` sends in one owner round trip over matrices of ``shapes`` sharded on dim 0 (one
+    bucket, owners as :func:`assign_owners` places them by :func:`newton_schulz_flops`): rank ``r`` sends its rows of
+    every matrix it does not own to the owner, and, for every matrix it owns, the other ranks' rows of the result
+    back. Pure arithmetic on the layout (the benchmarks' prediction of ``owned_matrices``' traffic).
+
+    Example::
+
+        sent_bytes([(8, 4), (6, 4)], world=2)  # [56, 56]: rank 0 owns the 8x4, rank 1 the 6x4
+    """
+    owners = assign_owners([newton_schulz_flops(s) for s in shapes], world)
+    sent = [0] * world
+    for (rows, cols), owner in zip(shapes, owners):
+        layout = MatrixLayout("", (rows, cols), None, world, 0)
+        for r in range(world):
+            start, end = layout.rows(r)
+            sent[r] += ((end - start) if r != owner else rows - (end - start)) * cols * element_size
+    return sent
 
 
 def _stacks(keys: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,7 +70,7 @@ def set_debug(enabled: bool) -> None:
     Example::
 
         >>> from fully_shard.tools import is_debug, set_debug
-        >>> set_debug(True)  # as FULLY_SHARD_DEBUG=1 does at import
+        >>> set_debug(True)  # as FULLY_SHARD_DEBUG=1 does when fully_shard is imported
         >>> is_debug()
         True
         >>> set_debug(False)
@@ -103,7 +102,3 @@ def debug_collectives() -> Iterator[None]:
         yield
     finally:
         set_debug(was_on)
-
-
-if os.environ.get(comm.DEBUG_ENV, "") == "1":
-    set_debug(True)

@@ -4,7 +4,6 @@ hot path: the core imports this module only where a parameter is tied across cal
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -95,11 +94,14 @@ def warn_held_twice(root: FSDPState, states: list[FSDPState]) -> None:
                       "tied parameters.", stacklevel=2)
 
 
-def tie_notes(calls: list[Any]) -> list[str]:
-    """The planner's notes (``tools/plan.py``, its ``Call`` tree): each parameter tied across calls, the groups that
-    gather it and what one call over its modules would save (Note [tied parameters])."""
-    return [f"parameter {p.fqn!r} is tied to {p.tied_to[1]!r} (the group of {p.tied_to[0]}): the group of {call.name} "
-            f"gathers it too, one more all-gather of {math.prod(p.shape) * p.unsharded_dtype.itemsize:,} bytes (unsharded) "
-            "per forward, and one reduce-scatter sums both groups' gradients, held until the later post-backward; one "
-            "fully_shard call over the modules that use it gathers it once (docs/design.md, tied parameters across calls)"
-            for call in calls for p in call.params if p.tied_to is not None]
+def tie_notes(groups: list[tuple[str, list[Any]]]) -> list[str]:
+    """The planner's notes (``tools/planner/api.py``: the name and ``ShardedParam``s of each group fully_shard made on
+    its fake process group): each parameter tied across calls, the groups that gather it and what one call over its
+    modules would save (Note [tied parameters])."""
+    group = {id(p): name for name, params in groups for p in params}
+    return [f"parameter {p.fqn!r} is tied to {first.fqn!r} (the group of {group[id(first)]}): the "
+            f"group of {name} gathers it too, one more all-gather of {p.size.numel() * p.unsharded_dtype.itemsize:,} bytes "
+            "(unsharded) per forward, and one reduce-scatter sums both groups' gradients, held until the later "
+            "post-backward; one fully_shard call over the modules that use it gathers it once (docs/design.md, tied "
+            "parameters across calls)"
+            for name, params in groups for p in params if (first := p.tie.params[0]) is not p]

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fully_shard import FSDPModule, comm, fully_shard
-from fully_shard.group import GroupState, ParamGroup, next_state
+from fully_shard.group import GroupState, ParamGroup
 from tests.unit.fake_pg import fake_world
 
 
@@ -148,6 +148,10 @@ def test_reshard_keeping_a_slice_gathers_within_k_ranks_for_backward() -> None:
 
 
 def test_a_transition_outside_the_table_is_an_internal_error() -> None:
-    assert next_state("layers.0", GroupState.UNSHARDED, GroupState.SHARDED) is GroupState.SHARDED
-    with pytest.raises(AssertionError, match="group layers.0 cannot go from SHARDED to UNSHARDED"):
-        next_state("layers.0", GroupState.SHARDED, GroupState.UNSHARDED)
+    with fake_world((2,), 0) as mesh:
+        group = _group(Mixed(), mesh=mesh)
+        with pytest.raises(AssertionError, match="internal error: group Mixed cannot go from SHARDED to UNSHARDED$"):
+            group._move_to(GroupState.UNSHARDED)
+        assert group.state is GroupState.SHARDED
+        group._move_to(GroupState.UNSHARDING)
+        assert group.state is GroupState.UNSHARDING

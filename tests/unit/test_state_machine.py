@@ -54,14 +54,6 @@ def test_each_allowed_transition_moves_and_each_other_raises(name: str) -> None:
                 transition("it", table, current, new)
 
 
-def test_next_state_names_the_group() -> None:
-    from fully_shard.group import GroupState, next_state
-
-    assert next_state("layers.0", GroupState.SHARDED, GroupState.UNSHARDING) is GroupState.UNSHARDING
-    with pytest.raises(AssertionError, match="group layers.0 cannot go from UNSHARDING to SHARDED"):
-        next_state("layers.0", GroupState.UNSHARDING, GroupState.SHARDED)
-
-
 def test_group_owes_one_post_backward() -> None:
     import torch
 

@@ -41,8 +41,12 @@ def hf_model(config: str | dict[str, Any]) -> nn.Module:
 
     Example::
 
+        >>> import transformers
+        >>> transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2).to_json_file("config.json")
         >>> with torch.device("meta"):
-        ...     model = hf_model("Llama-3.1-8B/config.json")
+        ...     model = hf_model("config.json")
+        >>> type(model).__name__, len(model.model.layers)
+        ('LlamaForCausalLM', 2)
     """
     try:
         import transformers
@@ -77,7 +81,9 @@ def load_model(spec: nn.Module | Callable[[], nn.Module] | str) -> tuple[nn.Modu
 
     Example::
 
-        >>> model, label = load_model("mypkg.models:build")
+        >>> model, label = load_model("llama3-8b")  # or a "package.module:Constructor", a config.json, a model
+        >>> label, next(model.parameters()).device
+        ('llama3-8b', device(type='meta'))
     """
     if isinstance(spec, nn.Module):
         not_meta = [n for n, p in spec.named_parameters() if not p.is_meta]

@@ -1,11 +1,11 @@
-"""A picture of a memory plan: device bytes over the replayed training step."""
+"""A picture of a memory plan: device bytes over the measured training step."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .report import Plan
 
 __all__ = ["memory_figure", "save_memory_plot"]
 
@@ -59,6 +59,7 @@ def save_memory_plot(plan: Plan, path: str) -> str:
     Example::
 
         >>> save_memory_plot(plan("llama3-8b", 64), "memory.png")
+        'memory.png'
     """
     memory_figure(plan).savefig(path, bbox_inches="tight")
     return path

@@ -31,7 +31,7 @@ Two views of the same storages:
 * :meth:`report`, which replays the event log (storage, byte delta, phase) with the final
   categories, since a category can change after the fact: the peak of all storages, of
   everything but activations and backend storages, of activations and of backend storages
-  (``tests/test_plan.py``).
+  (``tests/test_plan.py``; ``benchmarks/step.py`` for its planned-against-measured column).
 
 Blind spots (the same for every library measured): memory that gloo allocates on its own
 threads, temporaries that live and die inside one DTensor op, allocator rounding and
@@ -103,6 +103,7 @@ class StorageTracker(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = {}
         self.peak_storages: dict[int, int] | None = None  # uid -> bytes live at the peak
         self._snapshot = False
+        self._report_from = 0  # the first event report() takes peaks at (reset_peak moves it)
 
     # -- phases and the running view ------------------------------------------------------------
 
@@ -118,6 +119,7 @@ class StorageTracker(TorchDispatchMode):
         self.peak = self.current
         self.phase_peaks = {}
         self._phase = None
+        self._report_from = len(self.events)
         self._snapshot = snapshot
         self.peak_storages = self._live() if snapshot else None
 
@@ -156,17 +158,19 @@ class StorageTracker(TorchDispatchMode):
 
     # -- the replayed report ------------------------------------------------------------------
 
-    def report(self) -> dict[str, Any]:
-        """Peaks in bytes: ``total`` (every storage, existing ones too), ``model_state`` (all
-        but activations and backend storages), ``activations``, ``backend``, and the split of
-        ``model_state``'s peak by category and phase."""
+    def report(self, existing: bool = True) -> dict[str, Any]:
+        """Peaks in bytes since entry (or since :meth:`reset_peak`): ``total`` (every storage; ``existing``: the
+        ones from before entry too), ``model_state`` (all but activations and backend storages), ``activations``,
+        ``backend``, and the split of ``model_state``'s peak by category and phase."""
         by_cat: dict[str, int] = {}
         peaks = {"total": 0, "model_state": 0, "activations": 0, "backend": 0}
         at_model_peak: dict[str, Any] = {}
-        for uid, delta, phase in self.events:
+        for i, (uid, delta, phase) in enumerate(self.events):
             cat = self.category[uid]
+            if cat == "existing" and not existing:
+                continue
             by_cat[cat] = by_cat.get(cat, 0) + delta
-            if delta <= 0:
+            if delta <= 0 or i < self._report_from:
                 continue
             act = sum(by_cat.get(c, 0) for c in ACTIVATIONS)
             backend = by_cat.get("backend", 0)

@@ -1,166 +1,124 @@
-"""``python -m fully_shard.plan``: the memory planner from the command line, and the table
-that it and ``str(plan)`` print (``format_plan``).
-
-    python -m fully_shard.plan --model llama3-8b --mesh 64 --param-dtype bf16 --reduce-dtype fp32
-    python -m fully_shard.plan --model llama3-70b --mesh 8,64 --json
-    python -m fully_shard.plan --model mypkg.models:build --mesh 16 --wrap Block
-    python -m fully_shard.plan --model llama3-8b --mesh 64 --batch-size 1 --seq-len 8192 --ac
-
-Bad arguments print a message and exit with status 2.
-"""
+"""A memory plan and how it reads: ``Plan`` (per rank, every field as data) and ``format_plan``, the table that
+``str(plan)`` and ``python -m fully_shard.plan`` print."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import json
 import re
-import sys
 import textwrap
-from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.nn as nn
-
-from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ..streams import accelerator_type
-from .models import PRESETS, load_model
-from .plan import OPTIMIZERS, GroupPlan, Plan, plan
-
-__all__ = ["main", "DTYPES", "format_plan", "fmt_bytes", "fmt_count"]
-
-DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
-}
+__all__ = ["Plan", "GroupPlan", "format_plan", "fmt_bytes", "fmt_count"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m fully_shard.plan",
-        description="Per-rank memory and communication of training a model under fully_shard, "
-        "computed from parameter shapes (the model is built on the meta device).",
-    )
-    p.add_argument("--model", required=True, metavar="NAME|MODULE:CONSTRUCTOR|CONFIG.json",
-                   help="package.module:Constructor (called with no arguments under torch.device('meta')), "
-                   f"or, built by transformers, a preset ({', '.join(PRESETS)}) or a Hugging Face config.json")
-    p.add_argument("--mesh", required=True, metavar="N|R,N",
-                   help="shard size N (FSDP), or R,N for HSDP (R replicas of an N-way shard)")
-    p.add_argument("--param-dtype", metavar="DTYPE", help="MixedPrecisionPolicy.param_dtype (bf16, fp16, fp32, ...)")
-    p.add_argument("--reduce-dtype", metavar="DTYPE", help="MixedPrecisionPolicy.reduce_dtype")
-    p.add_argument("--model-dtype", metavar="DTYPE",
-                   help="dtype of the (sharded) parameters; default: as the constructor builds them")
-    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS))
-    p.add_argument("--reshard-after-forward", metavar="true|false|K",
-                   help="for every fully_shard call; default: true except the root")
-    p.add_argument("--offload", action="store_true", help="CPUOffloadPolicy: sharded state in host memory")
-    p.add_argument("--wrap", metavar="CLASS[,CLASS...]",
-                   help="class names of the modules that get their own fully_shard call "
-                   "(default: the children of every ModuleList named 'layers')")
-    p.add_argument("--rank", type=int, default=0, help="the rank to plan for (default 0, which holds the most)")
-    p.add_argument("--device", default=accelerator_type(), choices=[accelerator_type(), "cpu"],
-                   help=f"{accelerator_type()}: any device with streams (default); cpu: a CPU (gloo) mesh")
-    p.add_argument("--batch-size", type=int, metavar="B",
-                   help="sequences per rank per step: with --seq-len, count the activations of a transformers "
-                   "Llama-family model (default: activations left out)")
-    p.add_argument("--seq-len", type=int, metavar="T", help="tokens per sequence (with --batch-size)")
-    p.add_argument("--ac", action="store_true",
-                   help="activation checkpointing of every block: keep only block inputs, rebuild one block "
-                   "in its backward (needs --batch-size and --seq-len)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
-    p.add_argument("--plot", metavar="PNG", help="also draw device memory over the step into this file "
-                   "(needs matplotlib)")
-    return p
+@dataclass
+class GroupPlan:
+    """One ``fully_shard`` call's parameters, per rank. Byte counts are per call of each
+    collective (``all_gathers`` per step: 1, or 2 when resharded after forward)."""
+
+    name: str  # the wrapped module's name; "(root)" for the root's own parameters
+    tensors: int  # parameter tensors in the group
+    numel: int  # parameter elements (unsharded, unpadded)
+    sharded_bytes: int  # this rank's rows of the parameters, in their own dtype
+    grad_bytes: int  # sharded gradients as stored (views of padded slots, or copies)
+    optimizer_bytes: int  # optimizer state of this rank's rows
+    unsharded_bytes: int  # padded unsharded parameters (N slots), all-gather dtype
+    unsharded_grad_bytes: int  # full gradients autograd computes, compute dtype
+    all_gather_input_bytes: int
+    all_gather_output_bytes: int
+    reduce_scatter_input_bytes: int
+    reduce_scatter_output_bytes: int
+    all_reduce_bytes: int  # HSDP, across replicas
+    reshard_after_forward: bool | int
+    all_gathers: int  # per step
 
 
-def _dtype(parser: argparse.ArgumentParser, flag: str, value: str | None) -> torch.dtype | None:
-    if value is None:
-        return None
-    if value.lower() not in DTYPES:
-        parser.error(f"{flag}: unknown dtype {value!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[value.lower()]
+@dataclass
+class Plan:
+    """Per-rank memory and communication of one training step under fully_shard.
 
-
-def _mesh(parser: argparse.ArgumentParser, value: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(s) for s in value.split(","))
-    except ValueError:
-        shape = ()
-    if not 1 <= len(shape) <= 2 or any(s < 1 for s in shape):
-        parser.error(f"--mesh: expected N or R,N with positive integers, got {value!r}")
-    return shape
-
-
-def _reshard(parser: argparse.ArgumentParser, value: str | None) -> bool | int | None:
-    if value is None:
-        return None
-    low = value.lower()
-    if low in ("true", "yes", "1"):
-        return True
-    if low in ("false", "no", "0"):
-        return False
-    if low.isdigit():
-        return int(low)
-    parser.error(f"--reshard-after-forward: expected true, false or an integer, got {value!r}")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line on ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+    Bytes are tensor bytes (what the caching allocator is asked for, not what it reserves)
+    on ``rank``; activations are counted only when ``batch_size`` is set (else left out).
+    ``peak_bytes`` is the most device memory live at once during the step (sharded state,
+    in-flight parameters and gradients, optimizer temporaries, activations) and ``peak_at``
+    says when. ``str(plan)`` is a readable table;
+    ``plan.to_json()`` has every field.
 
     Example::
 
-        >>> main(["--model", "llama3-8b", "--mesh", "64", "--json"])
-        0
+        >>> p = plan("llama3-8b", 64)
+        >>> p.peak_bytes, p.peak_at, p.groups[0].unsharded_bytes
+        (13030327808, 'backward: reduce-scatter of LlamaForCausalLM (root)', 4202708992)
+        >>> plan("llama3-8b", 64, batch_size=1, seq_len=8192, activation_checkpointing=True).activation_bytes
+        8908865536
     """
-    parser = _parser()
-    args = parser.parse_args(argv)
-    mesh = _mesh(parser, args.mesh)
-    mp = MixedPrecisionPolicy(
-        param_dtype=_dtype(parser, "--param-dtype", args.param_dtype),
-        reduce_dtype=_dtype(parser, "--reduce-dtype", args.reduce_dtype),
-    )
-    model_dtype = _dtype(parser, "--model-dtype", args.model_dtype)
-    reshard = _reshard(parser, args.reshard_after_forward)
-    try:
-        model, label = load_model(args.model)
-    except (ValueError, OSError) as e:
-        parser.error(f"--model: {e}")
-    if model_dtype is not None:
-        model = model.to(model_dtype)
-    wrap = None
-    if args.wrap:
-        names = {n.strip() for n in args.wrap.split(",") if n.strip()}
-        classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-        missing = names - {c.__name__ for c in classes}
-        if missing:
-            parser.error(f"--wrap: no module of class {', '.join(sorted(missing))} in {label}")
-        wrap = classes
 
-    def build() -> nn.Module:
-        return model
+    model: str
+    mesh_shape: tuple[int, ...]
+    rank: int
+    shard_size: int
+    replicate_size: int
+    param_dtype: str | None  # MixedPrecisionPolicy.param_dtype (None: the parameters' own)
+    reduce_dtype: str | None
+    storage_dtypes: list[str]  # dtypes of the sharded parameters
+    optimizer: str
+    offload: bool
+    reshard_after_forward: bool | int | None
+    device_type: str
+    num_params: int
+    groups: list[GroupPlan]
+    # sharded state, per rank
+    sharded_param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int  # module buffers, replicated on every rank
+    device_state_bytes: int  # what of the above lives on the device
+    host_bytes: int  # what of it lives in host memory (CPU offload)
+    # transients, per rank, on the device
+    peak_unsharded_param_bytes: int  # unsharded parameters + all-gather buffers
+    peak_unsharded_grad_bytes: int  # unsharded gradients + reduce-scatter buffers
+    optimizer_step_bytes: int  # temporaries of optimizer.step()
+    peak_bytes: int
+    peak_at: str
+    # communication per step, per rank (buffer sizes summed over calls)
+    all_gathers: int
+    all_gather_input_bytes: int
+    all_gather_output_bytes: int
+    reduce_scatters: int
+    reduce_scatter_input_bytes: int
+    reduce_scatter_output_bytes: int
+    all_reduces: int
+    all_reduce_bytes: int
+    send_bytes: int  # bytes this rank sends per step with ring algorithms
+    notes: list[str] = field(default_factory=list)
+    # device bytes over the measured step, after every allocation and free: [phase, sharded
+    # state, unsharded params, unsharded grads, optimizer temporaries, activations]
+    memory_trace: list[list[Any]] = field(default_factory=list)
+    # activations (None / 0 unless batch_size and seq_len were given), per rank
+    batch_size: int | None = None
+    seq_len: int | None = None
+    activation_checkpointing: bool = False
+    block_activation_bytes: int = 0  # saved for backward by one block (rebuilt in its backward under AC)
+    activation_bytes: int = 0  # kept from forward to backward, all of the model, at the end of forward
+    peak_activation_bytes: int = 0  # the most live at once in the step (with AC: plus one rebuilt block)
 
-    build.__qualname__ = label
-    offload = CPUOffloadPolicy() if args.offload else OffloadPolicy()
-    if (args.batch_size is None) != (args.seq_len is None):
-        parser.error("--batch-size and --seq-len go together: give both to count activations, or neither")
-    if args.ac and args.batch_size is None:
-        parser.error("--ac needs --batch-size and --seq-len (activations are not counted without them)")
-    try:
-        result = plan(build, mesh, mp_policy=mp, offload_policy=offload, optimizer=args.optimizer,
-                      reshard_after_forward=reshard, wrap=wrap, rank=args.rank, device_type=args.device,
-                      batch_size=args.batch_size, seq_len=args.seq_len, activation_checkpointing=args.ac)
-    except ValueError as e:
-        parser.error(str(e))
-    print(result.to_json() if args.json else result)
-    if args.plot:
-        from .plan_plot import save_memory_plot
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as plain data."""
+        return dataclasses.asdict(self)
 
-        print(f"memory over the step: {save_memory_plot(result, args.plot)}", file=sys.stderr if args.json else sys.stdout)
-    return 0
+    def to_json(self, indent: int | None = 2) -> str:
+        """Every field, as JSON."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        return format_plan(self)
 
 
-# -- the table ----------------------------------------------------------------------------------
+
+
+# -- the table ---------------------------------------------------------------------------------------------
 
 
 def fmt_bytes(n: float) -> str:
@@ -255,6 +213,9 @@ def format_plan(p: Plan) -> str:
     Example::
 
         >>> print(format_plan(plan("llama3-8b", 64)))
+        fully_shard memory plan: llama3-8b
+          8.03B parameters on mesh 64: FSDP, 64-way shard, rank 0, device cuda
+        ...
     """
     kind = "FSDP" if p.replicate_size == 1 else f"HSDP ({p.replicate_size} replicas)"
     mesh = "x".join(str(s) for s in p.mesh_shape)
@@ -345,7 +306,3 @@ def format_plan(p: Plan) -> str:
     lines.append(f"  sends ~{fmt_bytes(p.send_bytes)} (ring algorithms)")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(out for line in lines for out in _fit(line))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

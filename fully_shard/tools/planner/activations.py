@@ -1,6 +1,6 @@
 """Activation memory of a Llama-style decoder: the tensors autograd saves for backward.
 
-The memory planner (``plan.py``) adds these to its step replay when given a batch size and
+The memory planner (``api.py``) adds these to its measured step when given a batch size and
 a sequence length. The count is per decoder block (one child of the ``layers``
 ``nn.ModuleList``) and for the rest of the model (embedding, final norm, loss), for the
 eager modules of ``transformers``' Llama family (Llama, Mistral, Qwen2, ...) with an SDPA
@@ -26,6 +26,7 @@ during its own backward.
 
 Example::
 
+    >>> from fully_shard.tools import load_model
     >>> model, _ = load_model("llama3-8b")
     >>> estimate_activations(model, 1, 8192, torch.bfloat16).block_bytes / 2**30
     1.53...
@@ -56,6 +57,7 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     Example::
 
+        >>> from fully_shard.tools import load_model
         >>> [n for n, _ in decoder_layers(load_model("llama3-8b")[0])][:2]
         ['model.layers.0', 'model.layers.1']
     """
@@ -77,8 +79,10 @@ def estimate_activations(model: nn.Module, batch_size: int, seq_len: int, comput
 
     Example::
 
+        >>> from fully_shard.tools import load_model
         >>> est = estimate_activations(load_model("llama3-8b")[0], 1, 8192, torch.bfloat16)
         >>> est.block_bytes, est.block_input_bytes, est.rest_bytes
+        (1645281280, 67108864, 4475486208)
     """
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")

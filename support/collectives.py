@@ -2,7 +2,7 @@
 
 Usage (inside a ``run_distributed`` body)::
 
-    from tests.collectives import CollectiveRecorder
+    from support.collectives import CollectiveRecorder
 
     with CollectiveRecorder() as rec:
         loss = model(x).sum()
