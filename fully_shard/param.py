@@ -209,8 +209,7 @@ class ShardedParam:
     def pick_up_replacement(self, managed: set[int]) -> None:
         """Shard a parameter registered in place of the sharded one before the first forward (e.g. ``model.w =
         nn.Parameter(f(a.weight, b.weight))`` once ``a`` and ``b`` are materialised), as torch's FSDP2 does at lazy
-        init. A DTensor with the parameter's layout is taken as is; a full tensor of its shape is cut to this rank's
-        part."""
+        init. A DTensor with the parameter's layout is kept; a full tensor of its shape is cut to this rank's part."""
         module, name = self.uses[0]
         current = module._parameters.get(name)
         if (current is None or current is self.sharded_param or current is self.unsharded_param
