@@ -6,9 +6,10 @@ One job of 4 gloo ranks: a (2, 2) mesh. Every rank holds two copies of the same 
 4x64 per rank, ``local_step(AdamW)``):
 
 * ``hsdp``: ``fully_shard`` on the (replicate, shard) mesh, the all-reduce across the 2 replicas inside fully_shard;
-* ``ft``: ``fully_shard`` on the shard mesh of its replica group (2 ranks) and ``fully_shard.tools.ft.FaultTolerantHSDP``
-  over a ``torchft.Manager`` per group (synchronous quorum, a Lighthouse in this process): the all-reduce across the
-  2 groups through the manager, a quorum before each step and ``should_commit`` before each optimizer step.
+* ``ft``: ``fully_shard`` on the shard mesh of its replica group (2 ranks) and
+  ``fully_shard.tools.ft.FaultTolerantHSDP`` over a ``torchft.Manager`` per group (synchronous quorum, a Lighthouse in
+  this process): the all-reduce across the 2 groups through the manager, a quorum before each step and ``should_commit``
+  before each optimizer step.
 
 Each round runs one step of each (the first one alternating), so a busy machine slows both alike; warm-up rounds are
 dropped. A step (quorum, forward, backward, commit, optimizer step, zero_grad) is timed with ``time.perf_counter`` on
@@ -98,13 +99,16 @@ def _job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (times, bitwise, committed))
     manager.shutdown(wait=False)
-    return {"times": [g[0] for g in gathered], "bitwise": [g[1] for g in gathered], "committed": [g[2] for g in gathered]}
+    return {"times": [g[0] for g in gathered], "bitwise": [g[1] for g in gathered],
+            "committed": [g[2] for g in gathered]}
 
 
 def render(data: dict[str, Any]) -> str:
     """The results page (and docs/benchmarks.md's region, docs/gen_figures.py) from a run's JSON."""
     med, load = data["median_s"], data["load"]
     shared = ", shared with other jobs: times are noisy" if load[0] > 0.5 * data["cores"] else ""
+    step = "quorum + forward + backward + commit + optimizer step"
+    row = f"| {step} | {med['hsdp'] * 1e3:.1f} ms | {med['ft'] * 1e3:.1f} ms | **{data['ratio']:.3f}x** |"
     return f"""# Fault-tolerant HSDP (torchft) vs plain HSDP: {data['date']} on {data['machine']}
 
 Command: `{data['command']}`, wall time {data['wall_s']:.0f} s; torch {data['torch']}, commit {data['commit']}; load
@@ -118,12 +122,12 @@ average {load[0]:.1f} before and {load[1]:.1f} after the run on {data['cores']} 
 
 | per step, median | plain HSDP | fault-tolerant HSDP | ratio |
 |---|---|---|---|
-| quorum + forward + backward + commit + optimizer step | {med['hsdp'] * 1e3:.1f} ms | {med['ft'] * 1e3:.1f} ms | **{data['ratio']:.3f}x** |
+{row}
 
 Median of the per-round ratios: {data['paired_ratio']:.3f}x. Goal (issue 31): at most 1.10x,
 **{'met' if data['ratio'] <= 1.10 else 'not met'}**. Steps committed by every rank's manager:
-{sorted(set(data['committed']))} (of {data['warmup'] + data['rounds']}). Parameters and optimizer state of the two copies
-at the end, every rank: bitwise equal, **{'yes' if data['bitwise'] else 'NO'}**.
+{sorted(set(data['committed']))} (of {data['warmup'] + data['rounds']}). Parameters and optimizer state of the two
+copies at the end, every rank: bitwise equal, **{'yes' if data['bitwise'] else 'NO'}**.
 """
 
 
@@ -161,8 +165,10 @@ def main() -> int:
             "batch 4x64 per rank")
     data = {"date": date, "machine": _machine(), "commit": commit, "torch": torch.__version__, "model": desc,
             "command": f"python3 -m benchmarks.ft --rounds {a.rounds}", "rounds": a.rounds, "warmup": a.warmup,
-            "median_s": med, "ratio": med["ft"] / med["hsdp"], "paired_ratio": paired, "bitwise": all(result["bitwise"]),
-            "committed": result["committed"], "load": [load0, os.getloadavg()[0]], "cores": os.cpu_count(), "wall_s": wall}
+            "median_s": med, "ratio": med["ft"] / med["hsdp"], "paired_ratio": paired,
+            "bitwise": all(result["bitwise"]),
+            "committed": result["committed"], "load": [load0, os.getloadavg()[0]], "cores": os.cpu_count(),
+            "wall_s": wall}
     md = render(data)
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"{date}-{_machine()}-ft")

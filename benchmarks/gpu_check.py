@@ -151,7 +151,8 @@ def train(impl: str, args: LlamaArgs, dev: torch.device, cfg: argparse.Namespace
             times.append(end - start)
             if marks is not None:
                 phases.append([b - a for a, b in zip(marks, marks[1:] + [end])])
-    out: dict[str, Any] = {"impl": impl, "offload": offload, "pinned": offload and dev.type != "cpu", "step_s": statistics.median(times),
+    out: dict[str, Any] = {"impl": impl, "offload": offload, "pinned": offload and dev.type != "cpu",
+                           "step_s": statistics.median(times),
                            "losses": losses, **_memory(dev)}
     if phases:  # forward, backward, optimizer step + zero_grad: medians
         out["phases_s"] = [statistics.median(p[k] for p in phases) for k in range(3)]
@@ -250,7 +251,8 @@ def timeline_svg(lanes: dict[str, list[tuple[float, float, str]]], title: str) -
     t1 = max((b for _, b, _ in spans), default=1.0)
     scale = (width - left - 10) / max(t1 - t0, 1e-9)
     height = 40 + row * len(lanes) + 30
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             'font-size="12">',
              f'<text x="10" y="20">{title} ({(t1 - t0) / 1000:.1f} ms)</text>']
     for i, (lane, ss) in enumerate(sorted(lanes.items())):
         y = 35 + i * row
@@ -294,17 +296,20 @@ def render(meta: dict[str, Any], runs: list[dict[str, Any]], trace: dict[str, An
               f"{meta['model']} ({meta['params']:,} parameters), batch {meta['batch_size']} x "
               f"{meta['seq_len']} tokens, bf16 parameters, fp32 reduce, AdamW; median of {meta['steps']} steps "
               f"after {meta['warmup']} warm-up (offload: {meta['offload_steps']} steps, {meta['offload_model']}).", ""]
-    lines += ["| library | offload | step (ms) | tokens/s | MFU | max allocated (GiB) | max reserved (GiB) | cudaMalloc retries |",
+    lines += ["| library | offload | step (ms) | tokens/s | MFU | max allocated (GiB) | max reserved (GiB) | "
+              "cudaMalloc retries |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in runs:
         mfu = "n/a" if r.get("mfu") is None else f"{r['mfu']:.1%}"
         retries = "n/a" if r["alloc_retries"] is None else str(r["alloc_retries"])
-        lines.append(f"| {r['impl']} | {('pinned CPU' if r['pinned'] else 'CPU') if r['offload'] else 'no'} | {r['step_s'] * 1e3:.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {mfu} | {_gib(r['max_allocated'])} | {_gib(r['max_reserved'])} | {retries} |")
+        lines.append(f"| {r['impl']} | {('pinned CPU' if r['pinned'] else 'CPU') if r['offload'] else 'no'} | "
+                     f"{r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | {_gib(r['max_allocated'])} | "
+                     f"{_gib(r['max_reserved'])} | {retries} |")
     timed = [r for r in runs if r.get("phases_s")]
     if timed:
         lines += ["", "Offload steps by phase (medians; the device synchronised at the end of each):", "",
-                  "| library | forward (ms) | backward (ms) | optimizer step + zero_grad (ms) |", "| --- | ---: | ---: | ---: |"]
+                  "| library | forward (ms) | backward (ms) | optimizer step + zero_grad (ms) |",
+                  "| --- | ---: | ---: | ---: |"]
         lines += [f"| {r['impl']} | " + " | ".join(f"{t * 1e3:.1f}" for t in r["phases_s"]) + " |" for r in timed]
     lines += ["", "## Streams (one fully_shard step under torch.profiler)", "", *streams_table(trace)]
     lines += ["", f"Trace: `{files['trace']}` (open in chrome://tracing or ui.perfetto.dev). Picture:", "",

@@ -55,7 +55,8 @@ def _rows(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     chunk = math.ceil(full.shape[0] / world)
     start = min(rank * chunk, full.shape[0])
     local = full[start : min(start + chunk, full.shape[0])].clone()
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
 
 
 def _build(impl: str, args: LlamaArgs, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -149,7 +150,8 @@ def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     trip = _RoundTrip(built["fully_shard.optim.Muon"][0])
     with CollectiveRecorder() as rec:
         trip.step()
-    raw = [(torch.empty(sum(c.output_splits), dtype=torch.bfloat16), torch.zeros(sum(c.input_splits), dtype=torch.bfloat16), c)
+    raw = [(torch.empty(sum(c.output_splits), dtype=torch.bfloat16),
+            torch.zeros(sum(c.input_splits), dtype=torch.bfloat16), c)
            for c in _all_to_alls(rec)]
     padded = sum(math.ceil(p.shape[0] / world) * p.shape[1] for _, p in _block_matrices(built["unsharded"][0]))
     gather_send = torch.zeros(padded, dtype=torch.bfloat16)
@@ -194,7 +196,8 @@ def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     every_rank: list[Any] = [None] * world
     dist.all_gather_object(every_rank, samples)
     # per round, the slowest rank (the step ends for the job when it ends on every rank)
-    per_round = {name: {kind: [max(vals) for vals in zip(*(r[name][kind] for r in every_rank))] for kind in ("wall", "cpu")}
+    per_round = {name: {kind: [max(vals) for vals in zip(*(r[name][kind] for r in every_rank))]
+                        for kind in ("wall", "cpu")}
                  for name in samples}
     for impl in IMPLS:
         out["impls"][impl].update(step_s=statistics.median(per_round[impl]["wall"]),
@@ -206,7 +209,8 @@ def muon_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     out["all_gather_s"] = statistics.median(per_round[ALL_GATHERS]["wall"])
     ours = "fully_shard.optim.Muon"
     out["per_rank"] = {kind: [statistics.median(r[ours][kind]) for r in every_rank] for kind in ("wall", "cpu")}
-    out["paired"] = {kind: paired_goal(per_round[ours][kind], per_round["unsharded"][kind], per_round[ROUND_TRIP][kind], world)
+    out["paired"] = {kind: paired_goal(per_round[ours][kind], per_round["unsharded"][kind], per_round[ROUND_TRIP][kind],
+                                       world)
                      for kind in ("wall", "cpu")}
     matrices = _block_matrices(built["unsharded"][0])
     out["ns_flops"] = _flops_per_rank([tuple(p.shape) for _, p in matrices], world)
@@ -276,7 +280,8 @@ def _torch_muon_collectives(shapes: list[tuple[int, int]], mesh: Any) -> dict[st
 
         def rank0_rows() -> DTensor:
             local = torch.empty(min(chunk, rows), cols, device="meta")
-            return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1))
+            return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, cols)),
+                                      stride=(cols, 1))
 
         p = nn.Parameter(rank0_rows())
         p.grad = rank0_rows()
@@ -310,7 +315,8 @@ def simulate_muon(world: int, args: LlamaArgs) -> dict[str, Any]:
         for shape in shapes:
             chunk = math.ceil(shape[0] / world)
             local = torch.zeros(min(chunk, shape[0]), shape[1])  # rank 0's rows
-            params.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1)))
+            params.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                             stride=(shape[1], 1)))
         layouts = [matrix_layout(p, f"m{i}") for i, p in enumerate(params)]
         inputs = [p.to_local() for p in params]
         outs = [torch.empty(t.shape, dtype=torch.bfloat16) for t in inputs]
@@ -353,13 +359,16 @@ def run(quick: bool, log: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"model": args.as_dict(), "steps": [], "simulation": None}
     for world in ((2,) if quick else (2, 4)):
         log(f"[benchmarks] muon step, world {world}")
-        rounds = {"rounds": 2, "warmup": 1, "torch_every": 2} if quick else {"rounds": 40, "warmup": 3, "torch_every": 8}
+        rounds = ({"rounds": 2, "warmup": 1, "torch_every": 2} if quick
+                  else {"rounds": 40, "warmup": 3, "torch_every": 8})
         res, err, wall = run_job(muon_job, {"args": args.as_dict(), **rounds}, nprocs=world, timeout_s=300)
         out["steps"].append({"world": world, "result": res, "error": err, "wall_s": wall})
     sim_args = MUON_MODEL if quick else LLAMA32_3B
     log("[benchmarks] muon simulation (fake process group)")
-    res, err, _ = run_job(simulation_job, {"args": sim_args.as_dict(), "worlds": list(SIM_WORLDS)}, nprocs=1, backend="fake", timeout_s=300)
-    out["simulation"] = {"model": "Llama 3.2 3B block matrices" if not quick else "muon model", "points": res, "error": err}
+    res, err, _ = run_job(simulation_job, {"args": sim_args.as_dict(), "worlds": list(SIM_WORLDS)}, nprocs=1,
+                          backend="fake", timeout_s=300)
+    out["simulation"] = {"model": "Llama 3.2 3B block matrices" if not quick else "muon model", "points": res,
+                         "error": err}
     return out
 
 
@@ -426,7 +435,8 @@ def render(muon: dict[str, Any]) -> list[str]:
             lines += [f"World {world}: error: {entry['error']}", ""]
             continue
         lines += [f"### World {world} (gloo)", "",
-                  "| | step (wall) | step (CPU) | rounds timed | collectives | Newton-Schulz runs per matrix | max diff vs unsharded |",
+                  "| | step (wall) | step (CPU) | rounds timed | collectives | Newton-Schulz runs per matrix | max "
+                  "diff vs unsharded |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for impl in IMPLS:
             r = res["impls"][impl]
@@ -441,24 +451,27 @@ def render(muon: dict[str, Any]) -> list[str]:
                   "matrix's rows divide by W). `torch.optim.Muon` runs on the same `Shard(0)` DTensors with meta "
                   "local tensors; its bytes are ring-algorithm bytes (all-gather (W-1) x input, reduce-scatter "
                   "(W-1)/W x input, all-reduce 2 (W-1)/W x input).", "",
-                  "| W | matrices | optimizer | collectives per step | bytes sent by rank 0 | rank 0 predicted by the layout "
-                  "| all ranks, summed from the layout | analytic 2(W-1)/W x matrix bytes "
-                  "| NS GFLOPs: busiest rank, total / W, largest matrix |",
+                  "| W | matrices | optimizer | collectives per step | bytes sent by rank 0 | rank 0 predicted by the "
+                  "layout | all ranks, summed from the layout | analytic 2(W-1)/W x matrix bytes | NS GFLOPs: busiest "
+                  "rank, total / W, largest matrix |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for p in sim["points"]:
             f = p["ns_flops"]
             exact = "equal" if p["predicted_total_bytes"] == p["analytic_all_ranks_bytes"] else "differ"
             lines.append(
-                f"| {p['world']} | {p['matrices']} | fully_shard.optim.Muon | {p['collectives_rank0']} ({p['buckets']} bucket) | "
-                f"{p['sent_bytes_rank0'] / 2**20:.2f} MiB | {p['expected_sent_bytes_rank0'] / 2**20:.2f} MiB | "
-                f"{p['predicted_total_bytes'] / 2**20:.2f} MiB | {p['analytic_all_ranks_bytes'] / 2**20:.2f} MiB ({exact}) | "
-                f"{f['max_per_rank'] / 1e9:.2f}, {f['ideal_per_rank'] / 1e9:.2f}, {f['largest_matrix'] / 1e9:.2f} |"
+                f"| {p['world']} | {p['matrices']} | fully_shard.optim.Muon | {p['collectives_rank0']} ({p['buckets']} "
+                f"bucket) | {p['sent_bytes_rank0'] / 2**20:.2f} MiB | {p['expected_sent_bytes_rank0'] / 2**20:.2f} MiB "
+                f"| {p['predicted_total_bytes'] / 2**20:.2f} MiB | {p['analytic_all_ranks_bytes'] / 2**20:.2f} MiB "
+                f"({exact}) | {f['max_per_rank'] / 1e9:.2f}, {f['ideal_per_rank'] / 1e9:.2f}, "
+                f"{f['largest_matrix'] / 1e9:.2f} |"
             )
             t = p.get("torch_muon")
             if t and "error" in t:
-                lines.append(f"| {p['world']} | {p['matrices']} | torch.optim.Muon | fails: {t['error'][:160]} | | | | | |")
+                lines.append(f"| {p['world']} | {p['matrices']} | torch.optim.Muon | fails: {t['error'][:160]} | | | | "
+                             "| |")
             elif t:
-                kinds = ", ".join(f"{n.replace('_into_tensor', '').replace('_tensor', '')} {c}" for n, c in sorted(t["by_kind"].items()))
+                kinds = ", ".join(f"{n.replace('_into_tensor', '').replace('_tensor', '')} {c}"
+                                  for n, c in sorted(t["by_kind"].items()))
                 lines.append(
                     f"| {p['world']} | {p['matrices']} | torch.optim.Muon | {t['collectives']} ({kinds}) | "
                     f"{t['sent_bytes_rank0'] / 2**20:.2f} MiB | | | | every rank runs every matrix |"

@@ -141,7 +141,8 @@ def in_backward_memory(rank: int, world: int, job: dict[str, Any]) -> dict[str, 
                             opts[0].zero_grad(set_to_none=True)
                         mem.phase(None)
                     params = list(model.parameters())
-                    state = [v for o in opts for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+                    state = [v for o in opts for s in o.state.values() for v in s.values()
+                             if isinstance(v, torch.Tensor)]
                     sizes = [mem.peak, *(mem.phase_peaks[p] for p in PHASES), mem.bytes_of(params), mem.bytes_of(state)]
                 del model, opts, params, state, loss
                 t = torch.tensor(sizes, dtype=torch.float64)
@@ -162,14 +163,16 @@ def render_in_backward(result: dict[str, Any]) -> list[str]:
     out = [f"{cfg['n_layers']} blocks of dim {cfg['dim']} (ffn {cfg['ffn_dim']}, vocabulary {cfg['vocab_size']}), "
            f"batch {cfg['batch']}x{cfg['seq']} per rank, {cfg['world']} ranks (gloo), fp32, AdamW; peak of live tensor "
            "storage per rank over the second step (parameters, gradients, optimizer state, activations, buffers):", "",
-           "| AdamW `foreach` | library | usual step | in backward | in backward / usual |", "| --- | --- | --- | --- | --- |"]
+           "| AdamW `foreach` | library | usual step | in backward | in backward / usual |",
+           "| --- | --- | --- | --- | --- |"]
 
     def mib(r: dict[str, Any]) -> str:  # the peak, and the phase it fell in
         phase = max(PHASES, key=lambda p: r["phase_peak_bytes"][p])
         return f"{r['peak_bytes'] / 2**20:.2f} MiB ({phase})"
 
     for r in (r for r in result["rows"] if r["mode"] == "in_backward"):
-        usual = next(u for u in result["rows"] if u["mode"] == "step" and (u["foreach"], u["impl"]) == (r["foreach"], r["impl"]))
+        usual = next(u for u in result["rows"] if u["mode"] == "step"
+                     and (u["foreach"], u["impl"]) == (r["foreach"], r["impl"]))
         name = {"fully_shard": "fully_shard", "torch_fsdp2": "torch FSDP2"}[r["impl"]]
         out.append(f"| {r['foreach']} | {name} | {mib(usual)} | {mib(r)} | {r['ratio_to_step']:.2f} |")
     first = result["rows"][0]
@@ -196,7 +199,8 @@ def _main_in_backward(out_dir: str | None) -> None:
         machine = f"{platform.system().lower()}-{platform.machine()}-{os.cpu_count()}cpu"
         stem = os.path.join(out_dir, f"{datetime.date.today().isoformat()}-{machine}-in-backward")
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        result["environment"] = {"date": datetime.date.today().isoformat(), "machine": machine, "torch": torch.__version__,
+        result["environment"] = {"date": datetime.date.today().isoformat(), "machine": machine,
+                                 "torch": torch.__version__,
                                  "command": "python3 -m benchmarks.optim_step --in-backward", "wall_s": round(wall, 1),
                                  "commit": commit, "load_before": f"{load_before:.2f}",
                                  "load_after": f"{os.getloadavg()[0]:.2f}"}
@@ -205,8 +209,8 @@ def _main_in_backward(out_dir: str | None) -> None:
         with open(stem + ".md", "w") as f:
             env = result["environment"]
             f.write(f"# Optimizer in backward: peak memory ({env['date']}, {machine})\n\n`{env['command']}`, torch "
-                    f"{env['torch']}, commit {commit}; load average {env['load_before']} before, {env['load_after']} after "
-                    "(storage bytes do not depend on the load).\n\n" + "\n".join(lines) + "\n")
+                    f"{env['torch']}, commit {commit}; load average {env['load_before']} before, {env['load_after']} "
+                    "after (storage bytes do not depend on the load).\n\n" + "\n".join(lines) + "\n")
         print(f"wrote {stem}.json and .md")
 
 

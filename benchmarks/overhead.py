@@ -142,7 +142,8 @@ def overhead_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
     median = {impl: {ph: statistics.median(v) for ph, v in times[impl].items()} for impl in IMPLS}
     max_rel_diff = {
-        impl: max(abs(a - b) / abs(b) for a, b in zip(losses[impl], losses["plain"])) for impl in IMPLS if impl != "plain"
+        impl: max(abs(a - b) / abs(b) for a, b in zip(losses[impl], losses["plain"])) for impl in IMPLS
+        if impl != "plain"
     }
     return {
         "world_size": world,
@@ -169,7 +170,8 @@ def paired(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     round), and that over torch FSDP2's (a check on the difference of medians, less exposed to load
     that changes between rounds)."""
     plain = times["plain"]["step"]
-    med = {impl: statistics.median(a - b for a, b in zip(times[impl]["step"], plain)) for impl in IMPLS if impl != "plain"}
+    med = {impl: statistics.median(a - b for a, b in zip(times[impl]["step"], plain)) for impl in IMPLS
+           if impl != "plain"}
     torch_med = med["torch_fsdp2"]
     return {"step": med, "ratio_to_torch": {k: (v / torch_med if torch_med > 0 else None) for k, v in med.items()}}
 
@@ -262,7 +264,8 @@ def _render_world(section: dict[str, Any], world: int) -> list[str]:
     header = ["overhead (minus plain)", "fully_shard", "fully_shard + local_step", "torch FSDP2",
               "ours / torch", "ours + local_step / torch"]
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    for key, label in [(ph, PHASE_LABELS[ph]) for ph in phases] + [("hook_per_group", "hook path per group (fwd+bwd / groups)")]:
+    for key, label in [(ph, PHASE_LABELS[ph]) for ph in phases] + [("hook_per_group", "hook path per group (fwd+bwd / "
+                                                                                      "groups)")]:
         fmt = _us if key == "hook_per_group" else _ms
         row = [label] + [fmt(over[i][key]) for i in ("fully_shard", "fully_shard_local_step", "torch_fsdp2")]
         row += [_ratio(rat["fully_shard"][key]), _ratio(rat["fully_shard_local_step"][key])]
@@ -312,8 +315,10 @@ def plots(ovh: dict[str, Any], plt: Any, out_dir: str, stem: str) -> list[str]:
     if not runs:
         return []
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
-    phases, impls = ("forward", "backward", "optimizer", "step"), ("fully_shard", "fully_shard_local_step", "torch_fsdp2")
-    labels = {"fully_shard": "fully_shard", "fully_shard_local_step": "fully_shard + local_step", "torch_fsdp2": "torch FSDP2"}
+    phases, impls = ("forward", "backward", "optimizer", "step"), ("fully_shard", "fully_shard_local_step",
+                                                                   "torch_fsdp2")
+    labels = {"fully_shard": "fully_shard", "fully_shard_local_step": "fully_shard + local_step",
+              "torch_fsdp2": "torch FSDP2"}
     for ax, (r, title) in zip(axes[0], runs):
         med = r["median_s"]
         for i, impl in enumerate(impls):

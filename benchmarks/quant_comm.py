@@ -56,7 +56,8 @@ def _is_exact(name: str) -> bool:
     return "norm" in name or "embeddings" in name
 
 
-def _build(world_mesh: Any, weights: str | None, grads: str | None, mp: str, measure: bool = False) -> tuple[Any, Any, Any]:
+def _build(world_mesh: Any, weights: str | None, grads: str | None, mp: str,
+           measure: bool = False) -> tuple[Any, Any, Any]:
     import torch
 
     from fully_shard import MixedPrecisionPolicy, fully_shard
@@ -65,7 +66,8 @@ def _build(world_mesh: Any, weights: str | None, grads: str | None, mp: str, mea
 
     torch.manual_seed(0)
     model = Llama(LlamaArgs(**MODEL))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp == "bf16" else MixedPrecisionPolicy()
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp == "bf16"
+              else MixedPrecisionPolicy())
     for block in model.layers:
         fully_shard(block, mesh=world_mesh, mp_policy=policy)
     fully_shard(model, mesh=world_mesh, mp_policy=policy)
@@ -125,10 +127,12 @@ def bytes_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         for phase, records in rec.phases("forward").items():
             for r in records:
                 kinds = counted.setdefault(phase, {})
-                kinds[r.kind] = kinds.get(r.kind, 0) + r.numel * torch.empty((), dtype=getattr(torch, r.dtype)).element_size()
+                kinds[r.kind] = (kinds.get(r.kind, 0)
+                                 + r.numel * torch.empty((), dtype=getattr(torch, r.dtype)).element_size())
         dtypes = (torch.bfloat16, torch.float32) if mp == "bf16" else (None, None)
         expected = quantized_collective_bytes(
-            groups, shard, bits.get(weights or ""), bits.get(grads or ""), BLOCK, _is_exact, *dtypes, replicate=replicate)
+            groups, shard, bits.get(weights or ""), bits.get(grads or ""), BLOCK, _is_exact, *dtypes,
+            replicate=replicate)
         out[f"{mp}-{mode}"] = {"counted": counted, "analytic": expected,
                      "total": sum(v for kinds in counted.values() for v in kinds.values()),
                      "analytic_total": sum(v for kinds in expected.values() for v in kinds.values())}
@@ -200,7 +204,8 @@ def error_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 per_kind: dict[str, dict[str, float]] = {}
                 for c in comms:
                     for r in c.errors:
-                        k = per_kind.setdefault(r.kind, {"max_error": 0.0, "bound": 0.0, "max_ratio": 0.0, "rel_l2": 0.0})
+                        k = per_kind.setdefault(r.kind,
+                                                {"max_error": 0.0, "bound": 0.0, "max_ratio": 0.0, "rel_l2": 0.0})
                         for field in k:
                             k[field] = max(k[field], getattr(r, field))
                 steps.append({"loss": loss, "kinds": per_kind})
@@ -280,7 +285,8 @@ def convergence(steps: int, seeds: int, nice: int, log: Any) -> dict[str, Any]:
         for seed in range(seeds):
             for mode in MODES:
                 metrics = os.path.join(tmp, f"{mode}-{seed}.jsonl")
-                cmd = ["nice", "-n", str(nice), sys.executable, os.path.join(ROOT, "examples", "train.py"), f"--steps={steps}",
+                cmd = ["nice", "-n", str(nice), sys.executable, os.path.join(ROOT, "examples", "train.py"),
+                       f"--steps={steps}",
                        f"--seed={seed}", f"--comm-quant={'none' if mode == 'exact' else mode}", f"--metrics={metrics}",
                        "--no-plot", "--no-progress", f"--log-every={steps}", f"--eval-every={steps // 3}"]
                 t0 = time.perf_counter()
@@ -293,7 +299,8 @@ def convergence(steps: int, seeds: int, nice: int, log: Any) -> dict[str, Any]:
                 losses = [r["loss"] for r in rows]
                 evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
                 runs.append({"mode": mode, "seed": seed, "wall_s": wall, "final_loss": losses[-1],
-                             "final_loss_mean20": statistics.fmean(losses[-20:]), "eval": evals, "final_eval": evals[-1][1],
+                             "final_loss_mean20": statistics.fmean(losses[-20:]), "eval": evals,
+                             "final_eval": evals[-1][1],
                              "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[1:])})
                 log(f"  {mode} seed {seed}: loss {losses[-1]:.4f} (last 20: {runs[-1]['final_loss_mean20']:.4f}), "
                     f"eval {evals[-1][1]:.4f}, {wall:.0f} s")
@@ -333,7 +340,8 @@ def render(res: dict[str, Any]) -> list[str]:
                   "resharded after forward, the root not), collective input bytes per rank as the tests' recorder "
                   f"counts them, against the analytic count from the shapes (blocks of {BLOCK}, fp32 scales; "
                   "embedding and norms exact). bf16: `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.", "",
-                  "| mesh | params | collectives | recorded | analytic | of exact |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| mesh | params | collectives | recorded | analytic | of exact |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         labels = {"exact": "exact", "int8": "int8 weights, int8 grads", "int4": "int8 weights, int4 grads"}
         for entry in res["bytes"]:
             modes = entry["modes"]
@@ -350,9 +358,11 @@ def render(res: dict[str, Any]) -> list[str]:
                   "magnitude; for a reduction the sum over ranks of the blocks' largest magnitudes, divided as the op "
                   "divides), the analytic bound in the same units, the largest error / bound elementwise (<= 1), and "
                   "the relative L2 error of the whole buffer.", "",
-                  "| mesh | params | config | collective | steps | max error | analytic bound | max error / bound | rel. L2 |",
+                  "| mesh | params | config | collective | steps | max error | analytic bound | max error / bound | "
+                  "rel. L2 |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        names = {"all_gather": "weight all-gather", "reduce_scatter": "gradient reduce-scatter", "all_reduce": "HSDP all-reduce"}
+        names = {"all_gather": "weight all-gather", "reduce_scatter": "gradient reduce-scatter",
+                 "all_reduce": "HSDP all-reduce"}
         for entry in res["error"]:
             for name, s in summarize_errors(entry["configs"]).items():
                 mp, mode = name.split("-")
@@ -361,8 +371,8 @@ def render(res: dict[str, Any]) -> list[str]:
                         continue
                     k = s["kinds"][kind]
                     bits = "int8" if kind == "all_gather" else mode
-                    lines.append(f"| {' x '.join(map(str, entry['mesh']))} | {mp} | {MODES[mode][0]}/{MODES[mode][1]} | "
-                                 f"{names[kind]} ({bits}) | {s['steps']} | {k['max_error']:.5f} | {k['bound']:.5f} | "
+                    lines.append(f"| {' x '.join(map(str, entry['mesh']))} | {mp} | {MODES[mode][0]}/{MODES[mode][1]} "
+                                 f"| {names[kind]} ({bits}) | {s['steps']} | {k['max_error']:.5f} | {k['bound']:.5f} | "
                                  f"{k['max_ratio']:.4f} | {k['rel_l2']:.2e} |")
         lines.append("")
     if res.get("steps"):
@@ -371,16 +381,17 @@ def render(res: dict[str, Any]) -> list[str]:
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for e in res["steps"]:
             m = e["modes"]
-            lines.append(f"| {e['world']} | {e['mp']} | {m['exact']['median_s'] * 1e3:.0f} ms | {m['int8']['median_s'] * 1e3:.0f} ms | "
-                         f"{m['int4']['median_s'] * 1e3:.0f} ms | {m['int8']['ratio_median']:.2f} | {m['int4']['ratio_median']:.2f} |")
+            lines.append(f"| {e['world']} | {e['mp']} | {m['exact']['median_s'] * 1e3:.0f} ms | "
+                         f"{m['int8']['median_s'] * 1e3:.0f} ms | {m['int4']['median_s'] * 1e3:.0f} ms | "
+                         f"{m['int8']['ratio_median']:.2f} | {m['int4']['ratio_median']:.2f} |")
         lines.append("")
     if res.get("convergence"):
         c = res["convergence"]
         s = c["summary"]
         lines += ["### Convergence: the main job", "",
-                  f"`examples/train.py --steps {c['steps']}` (2 ranks, gloo), seeds 0..{c['seeds'] - 1}; train loss "
-                  "= the mean of the last 20 steps' losses; eval = the held-out loss at the end (computed with the "
-                  "run's own all-gathers). Mean over seeds, [min, max]; \"within\": the quantized mean differs from the "
+                  f"`examples/train.py --steps {c['steps']}` (2 ranks, gloo), seeds 0..{c['seeds'] - 1}; train loss = "
+                  "the mean of the last 20 steps' losses; eval = the held-out loss at the end (computed with the run's "
+                  "own all-gathers). Mean over seeds, [min, max]; \"within\": the quantized mean differs from the "
                   "exact mean by at most the exact runs' seed-to-seed spread (max - min).", "",
                   "| run | train loss | eval loss | within the spread (train / eval) | wall time, all seeds |",
                   "| --- | --- | --- | --- | --- |"]
@@ -419,19 +430,23 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(path):
         with open(path) as f:
             res = json.load(f)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     for part in parts:
         t0, load = time.perf_counter(), os.getloadavg()[0]
         _log(f"quant-comm: {part} ...")
         if part == "bytes":
             res[part] = [_job(run_job, bytes_job, {"mesh": mesh}, w) for mesh, w in (([2], 2), ([2, 2], 4))]
         elif part == "error":
-            res[part] = [_job(run_job, error_job, {"mesh": mesh, "steps": args.error_steps}, w) for mesh, w in (([2], 2), ([2, 2], 4))]
+            res[part] = [_job(run_job, error_job, {"mesh": mesh, "steps": args.error_steps}, w)
+                         for mesh, w in (([2], 2), ([2, 2], 4))]
         elif part == "steps":
-            res[part] = [_job(run_job, steps_job, {"mp": "fp32", "warmup": 2, "rounds": args.rounds}, w) for w in (2, 4)]
+            res[part] = [_job(run_job, steps_job, {"mp": "fp32", "warmup": 2, "rounds": args.rounds}, w)
+                         for w in (2, 4)]
         else:
             res[part] = convergence(args.train_steps, args.seeds, args.nice, _log)
-        res.setdefault("runs", {})[part] = {"date": date, "commit": commit, "wall_s": round(time.perf_counter() - t0, 1),
+        res.setdefault("runs", {})[part] = {"date": date, "commit": commit,
+                                            "wall_s": round(time.perf_counter() - t0, 1),
                                             "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
                                             "cores": os.cpu_count()}
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -445,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_lines(res: dict[str, Any]) -> list[str]:
-    return [f"- {part}: {r['date']}, commit {r['commit']}, {r['wall_s']:.0f} s, load average {r['load_before']} before and "
-            f"{r['load_after']} after on {r['cores']} cores" for part, r in res.get("runs", {}).items()]
+    return [f"- {part}: {r['date']}, commit {r['commit']}, {r['wall_s']:.0f} s, load average {r['load_before']} before "
+            f"and {r['load_after']} after on {r['cores']} cores" for part, r in res.get("runs", {}).items()]
 
 
 def _job(run_job: Any, fn: Any, job: dict[str, Any], world: int) -> Any:

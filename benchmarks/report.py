@@ -16,14 +16,16 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
     kind = "quick smoke run" if results["quick"] else "full run" if results.get("configs") else "partial run"
     out = [f"# fully_shard benchmarks: {env['date']} on {env['machine']}", "",
            f"Command: `{env['command']}` ({kind}), wall time {results['wall_s']:.0f} s.", "",
-           table(["", ""], [["CPU", f"{env['cpu']} ({env['cores']} cores)"], ["torch", env["torch"]], ["python", env["python"]],
-                            ["commit", env["commit"]], ["load average before / after", f"{env['load_before']} / {env['load_after']}"],
+           table(["", ""],
+                 [["CPU", f"{env['cpu']} ({env['cores']} cores)"], ["torch", env["torch"]], ["python", env["python"]],
+                            ["commit", env["commit"]],
+                  ["load average before / after", f"{env['load_before']} / {env['load_after']}"],
                             ["machine shared", env["shared_note"]]]), ""]
     configs, sim = results.get("configs") or [], results.get("simulation")
     if configs:
         out += ["Every 2-rank job is one spawn of 2 processes (gloo on CPU, 1 intra-op thread each). Step = forward + "
-                "backward + AdamW step + zero_grad. Step times are the maximum over the ranks of each sample (a sample = "
-                "the mean of several steps); fully_shard and torch FSDP2 run interleaved in the same processes, "
+                "backward + AdamW step + zero_grad. Step times are the maximum over the ranks of each sample (a sample "
+                "= the mean of several steps); fully_shard and torch FSDP2 run interleaved in the same processes, "
                 "alternating which goes first. The ratio is fully_shard / torch FSDP2 per pair; its min/max is the "
                 "spread. Two identical runs on this machine differ by ~10%: only ratios whose whole spread is on one "
                 "side of 1 are a difference.", "", *step.render(configs)]
@@ -36,7 +38,8 @@ def render_markdown(results: dict[str, Any], plots: list[str], plot_note: str | 
         out += muon.render(results["muon"])
     if results.get("overhead"):
         out += overhead.render(results["overhead"])
-    out += ["## Plots", "", *[f"![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in plots], *([plot_note, ""] if plot_note else [])]
+    out += ["## Plots", "", *[f"![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in plots],
+            *([plot_note, ""] if plot_note else [])]
     errors = [(c["name"], c["error"]) for c in configs if c.get("error")]
     if errors:
         out += ["## Errors", "", *[f"### {name}\n\n```\n{err}\n```\n" for name, err in errors]]

@@ -73,14 +73,16 @@ def render(sim: dict[str, Any]) -> list[str]:
                      gib(plan["optimizer_bytes"]), gib(plan["peak_unsharded_param_bytes"]),
                      gib(plan["peak_unsharded_grad_bytes"]), f"**{gib(plan['peak_bytes'])}**", plan["peak_at"],
                      gib(plan["all_gather_input_bytes"]), gib(plan["reduce_scatter_input_bytes"]), f"{p['plan_s']:.1f}",
-                     f"{applied['fully_shard']:.2f}", f"{applied['torch_fsdp2']:.2f}" if "torch_fsdp2" in applied else "-"])
+                     f"{applied['fully_shard']:.2f}",
+                     f"{applied['torch_fsdp2']:.2f}" if "torch_fsdp2" in applied else "-"])
     return ["## Scale simulation (fully_shard.plan: fully_shard on a fake process group, fake tensors)", "",
-            f"Per rank (rank 0, which holds the most): every block then the root sharded, param_dtype="
+            "Per rank (rank 0, which holds the most): every block then the root sharded, param_dtype="
             f"{sim['param_dtype']}, reduce_dtype={sim['reduce_dtype']}, fp32 sharded state, AdamW, activations left "
-            "out; from one training step of fully_shard itself on a fake process group of W ranks (benchmarks/scale.py, "
-            "docs/tools.md). Unsharded parameters and gradients: their peaks, all-gather and reduce-scatter buffers "
-            "included; the step's peak is not their sum. All-gather and reduce-scatter: input bytes per rank per step. "
-            "Plan s: the whole plan; apply s: the `fully_shard` calls alone on a meta-device model.", "",
+            "out; from one training step of fully_shard itself on a fake process group of W ranks "
+            "(benchmarks/scale.py, docs/tools.md). Unsharded parameters and gradients: their peaks, all-gather and "
+            "reduce-scatter buffers included; the step's peak is not their sum. All-gather and reduce-scatter: input "
+            "bytes per rank per step. Plan s: the whole plan; apply s: the `fully_shard` calls alone on a meta-device "
+            "model.", "",
             table(["model", "W", "params GiB", "grads GiB", "AdamW GiB", "unsharded params GiB", "unsharded grads GiB",
                    "peak GiB", "peak at", "AG in GiB", "RS in GiB", "plan s", "fully_shard apply s",
                    "torch FSDP2 apply s"], rows), ""]
@@ -91,7 +93,8 @@ def targets(sim: dict[str, Any]) -> list[list[str]]:
     for p in sim["points"]:
         if p["world_size"] == 1024 and p["model"] == "llama3-405b":
             t = p["apply_s"]["fully_shard"]
-            rows.append(["fully_shard on 405B / 1024 ranks < 10 s", f"{t:.2f} s", "met" if t < TARGET_APPLY_405B_1024_S else "not met"])
+            rows.append(["fully_shard on 405B / 1024 ranks < 10 s", f"{t:.2f} s",
+                         "met" if t < TARGET_APPLY_405B_1024_S else "not met"])
         if p["world_size"] == 1024 and p["model"] == "llama3-8b":
             t = p["plan_s"]
             rows.append(["fully_shard.plan of 8B / 1024 ranks in seconds (< 10 s)", f"{t:.1f} s",
@@ -105,7 +108,8 @@ def plots(sim: dict[str, Any], plt: Any, out_dir: str, stem: str) -> list[str]:
     for ax, model in zip(axes[0], models):
         pts = [p for p in sim["points"] if p["model"] == model]
         for label, key in (("params (fp32)", "sharded_param_bytes"), ("AdamW state", "optimizer_bytes"),
-                           ("unsharded params, peak (bf16)", "peak_unsharded_param_bytes"), ("step peak", "peak_bytes")):
+                           ("unsharded params, peak (bf16)", "peak_unsharded_param_bytes"),
+                           ("step peak", "peak_bytes")):
             ax.plot([p["world_size"] for p in pts], [p["plan"][key] / 2**30 for p in pts], marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="world size", ylabel="GiB per rank", title=model)
         ax.set_xscale("log", base=2)

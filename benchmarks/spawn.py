@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, job: Any, out_path: str) -> None:
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, job: Any,
+           out_path: str) -> None:
     from support.processes import die_with_parent
 
     die_with_parent()

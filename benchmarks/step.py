@@ -130,7 +130,8 @@ def _record_collectives(runner: _Runner) -> dict[str, Any]:
     return out
 
 
-def _measure_memory(impl: str, base: Llama, job: dict[str, Any], mesh: Any, batches: list[torch.Tensor]) -> dict[str, Any]:
+def _measure_memory(impl: str, base: Llama, job: dict[str, Any], mesh: Any,
+                    batches: list[torch.Tensor]) -> dict[str, Any]:
     """Peak live storage bytes of one steady-state step (the 2nd), built inside the tracker."""
     gc.collect()
     with StorageTracker() as mem:  # counts what is allocated inside: not base, not the batches
@@ -273,7 +274,8 @@ def _describe(args: LlamaArgs, batch: int, seq: int) -> str:
 
 def configs(quick: bool) -> list[dict[str, Any]]:
     if quick:
-        job = dict(args=BENCH_TINY.as_dict(), batch=2, seq=16, mp="fp32", reshard=True, warmup=1, pairs=1, steps_per_sample=1)
+        job = dict(args=BENCH_TINY.as_dict(), batch=2, seq=16, mp="fp32", reshard=True, warmup=1, pairs=1,
+                   steps_per_sample=1)
         return [{"name": "tiny-fsdp", "description": _describe(BENCH_TINY, 2, 16), "job": job}]
     common = dict(args=BENCH_SMALL.as_dict(), batch=4, seq=64, warmup=2, pairs=5, steps_per_sample=2)
     desc = _describe(BENCH_SMALL, 4, 64)
@@ -285,10 +287,12 @@ def configs(quick: bool) -> list[dict[str, Any]]:
          "job": dict(common, mp="fp32", reshard=True)},
         {"name": "transformer-no-reshard", "description": desc + ", fp32, reshard_after_forward=False",
          "job": dict(common, mp="fp32", reshard=False)},
-        {"name": "transformer-bf16", "description": desc + ", MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+        {"name": "transformer-bf16",
+         "description": desc + ", MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
          "job": dict(common, mp="bf16", reshard=True)},
         {"name": "hsdp-2x2", "world_size": 4, "description": _describe(BENCH_SMALL, 2, 64) + ", fp32, HSDP mesh "
-         "(replicate 2, shard 2) on 4 ranks", "job": dict(common, batch=2, mp="fp32", reshard=True, mesh_shape=[2, 2], warmup=1)},
+         "(replicate 2, shard 2) on 4 ranks",
+         "job": dict(common, batch=2, mp="fp32", reshard=True, mesh_shape=[2, 2], warmup=1)},
         {"name": "overhead", "description": _describe(BENCH_OVERHEAD, 1, 8) + ", fp32", "job": overhead},
     ]
 
@@ -301,7 +305,8 @@ def planned(job: dict[str, Any], world: int) -> list[dict[str, Any]]:
     out = []
     for rank in range(world):  # rank r of the world is shard rank r % N (the shard dim is the inner one)
         plan = fully_shard.plan(functools.partial(Llama, LlamaArgs(**job["args"])), shape, rank=rank % shape[-1],
-                                shard_fn=lambda model, mesh: shard_model(model, "fully_shard", mesh, job["reshard"], job["mp"]),
+                                shard_fn=lambda model, mesh: shard_model(model, "fully_shard", mesh, job["reshard"],
+                                                                         job["mp"]),
                                 device_type="cpu", foreach=True)
         out.append({k: getattr(plan, k) for k in ("peak_bytes", "peak_at", *_COUNTS.values(), *_BYTES.values())})
     return out
@@ -325,7 +330,8 @@ def run(quick: bool, log: Any) -> list[dict[str, Any]]:
 _COUNTS = {"all_gather": "all_gathers", "reduce_scatter": "reduce_scatters", "all_reduce": "all_reduces"}  # the plan's
 _BYTES = {"all_gather": "all_gather_input_bytes", "reduce_scatter": "reduce_scatter_input_bytes",
           "all_reduce": "all_reduce_bytes"}
-IMPL_NAMES = {"fully_shard": "fully_shard", "torch_fsdp2": "torch FSDP2", "ddp": "DDP", "unsharded": "unsharded (1 proc)"}
+IMPL_NAMES = {"fully_shard": "fully_shard", "torch_fsdp2": "torch FSDP2", "ddp": "DDP",
+              "unsharded": "unsharded (1 proc)"}
 TARGET_RATIO_TRANSFORMER, TARGET_RATIO_OVERHEAD, TARGET_PLAN = 0.9, 0.5, 0.01
 
 
@@ -368,12 +374,15 @@ def _cells(got: dict[str, tuple[int, int]]) -> list[str]:
 
 def render(done: list[dict[str, Any]]) -> list[str]:
     ran = [c for c in done if c["result"]]
-    out = ["## Step time", "", table(["config", "model / batch", "fully_shard ms", "torch FSDP2 ms", "ratio median [min, max]",
-                                      "verdict", "DDP ms", "unsharded ms", "loss after the timed steps (ours vs torch)"],
+    out = ["## Step time", "",
+           table(["config", "model / batch", "fully_shard ms", "torch FSDP2 ms", "ratio median [min, max]",
+                                      "verdict", "DDP ms", "unsharded ms",
+                  "loss after the timed steps (ours vs torch)"],
                                      [_time_row(c) for c in done]), "",
            "`unsharded` is one process (rank 0 alone, rank 1 idle) running the per-rank batch: the compute floor of "
            "one rank. DDP and unsharded run in fp32 in every config (also `bf16`). HSDP runs on 4 ranks (2 replicas x "
-           "2 shards), so 4 processes share the cores: compare its ratio, not its absolute times, with the 2-rank rows.",
+           "2 shards), so 4 processes share the cores: compare its ratio, not its absolute times, with the 2-rank "
+           "rows.",
            ""]
     rows = []
     for c in ran:
@@ -392,7 +401,8 @@ def render(done: list[dict[str, Any]]) -> list[str]:
             "gloo's private copies aside), against `fully_shard.plan` of the same sharding on a fake process group "
             "(docs/tools.md).", "",
             table(["config", "rank", "fully_shard MiB", "torch FSDP2 MiB", "ours/torch", "DDP MiB", "unsharded MiB",
-                   "fully_shard without activations MiB", "planned MiB", "plan vs measured", "ours peak phase"], rows), ""]
+                   "fully_shard without activations MiB", "planned MiB", "plan vs measured", "ours peak phase"], rows),
+            ""]
     rows = []
     for c in (c for c in ran if "collectives" in c["result"]):
         want = _of_plan(c["planned"][0])
@@ -414,12 +424,15 @@ def targets(done: list[dict[str, Any]]) -> list[list[str]]:
         target = TARGET_RATIO_OVERHEAD if c["name"] == "overhead" else TARGET_RATIO_TRANSFORMER
         r = c["result"]["ratio"]
         ok = "met" if r["max"] <= target else ("not met" if r["min"] > target else "unclear (spread straddles it)")
-        rows.append([f"step time `{c['name']}` <= {target}x torch", f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]", ok])
+        rows.append([f"step time `{c['name']}` <= {target}x torch",
+                     f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]", ok])
         mem = c["result"].get("memory_per_rank")
         if mem:
             worst = max(m["fully_shard"]["peak_bytes"] / m["torch_fsdp2"]["peak_bytes"] for m in mem)
-            rows.append([f"peak memory `{c['name']}` <= torch", f"max over ranks {worst:.3f}x torch", "met" if worst <= 1.0 else "not met"])
-            error = max(abs(p["peak_bytes"] / m["fully_shard"]["model_state_bytes"] - 1) for m, p in zip(mem, c["planned"]))
+            rows.append([f"peak memory `{c['name']}` <= torch", f"max over ranks {worst:.3f}x torch",
+                         "met" if worst <= 1.0 else "not met"])
+            error = max(abs(p["peak_bytes"] / m["fully_shard"]["model_state_bytes"] - 1)
+                        for m, p in zip(mem, c["planned"]))
             rows.append([f"planned peak `{c['name']}` within 1% of measured", f"max over ranks {error:.3%}",
                          "met" if error <= TARGET_PLAN else "not met"])
     checks = [recorded(c["result"], impl) == _of_plan(c["planned"][0]) for c in done

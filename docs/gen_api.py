@@ -164,7 +164,8 @@ def _entry(name: str, obj: object, torch_names: bool, level: str = "##") -> list
     """One public name (and a class's documented methods) as Markdown."""
     addition = ["*fully_shard addition: not in torch's FSDP2.*", ""]
     note = [] if (not torch_names or _in_torch(name)) else addition
-    parts = [f"{level} {name}", "", "```python", _signature(name, obj), "```", "", *note, _markdown(inspect.getdoc(obj) or "")]
+    parts = [f"{level} {name}", "", "```python", _signature(name, obj), "```", "", *note,
+             _markdown(inspect.getdoc(obj) or "")]
     if inspect.isclass(obj):
         for mname, meth in _methods(obj):
             note = [] if (not torch_names or _in_torch(name, mname)) else addition

@@ -139,14 +139,15 @@ def muon_region() -> str:
         goal = 1.2 * unsharded["step_s"] / world + res["all_to_all_s"]
         out.append(
             f"At world {world}: ours {_ms(ours['step_s'])} with {ours['collectives']} collectives and a max difference "
-            f"of {ours['max_diff']:.3g} from the unsharded run; `torch.optim.Muon` {_ms(ts['step_s'])} over fully_shard "
-            f"and {_ms(tt['step_s'])} over torch FSDP2, with {ts['collectives']} and {tt['collectives']} collectives and "
-            f"differences of {ts['max_diff']:.2g} and {tt['max_diff']:.2g}; the unsharded step {_ms(unsharded['step_s'])} "
-            f"(each rank running it at the same time). Goal 1.2 x unsharded / {world} + all-to-all "
-            f"({_ms(res['all_to_all_s'])}) = {_ms(goal)}: **{'met' if ours['step_s'] <= goal else 'not met'}** "
-            f"({_ms(ours['step_s'])}). The all-gather alternative took {_ms(res['all_gather_s'])} against "
-            f"{_ms(res['all_to_all_raw_s'])} for the bare all-to-alls. Newton-Schulz FLOPs on the busiest rank: "
-            f"{res['ns_flops']['max_per_rank'] / 1e6:.0f} M, total / W {res['ns_flops']['ideal_per_rank'] / 1e6:.0f} M."
+            f"of {ours['max_diff']:.3g} from the unsharded run; `torch.optim.Muon` {_ms(ts['step_s'])} over "
+            f"fully_shard and {_ms(tt['step_s'])} over torch FSDP2, with {ts['collectives']} and {tt['collectives']} "
+            f"collectives and differences of {ts['max_diff']:.2g} and {tt['max_diff']:.2g}; the unsharded step "
+            f"{_ms(unsharded['step_s'])} (each rank running it at the same time). Goal 1.2 x unsharded / {world} + "
+            f"all-to-all ({_ms(res['all_to_all_s'])}) = {_ms(goal)}: "
+            f"**{'met' if ours['step_s'] <= goal else 'not met'}** ({_ms(ours['step_s'])}). The all-gather alternative "
+            f"took {_ms(res['all_gather_s'])} against {_ms(res['all_to_all_raw_s'])} for the bare all-to-alls. "
+            f"Newton-Schulz FLOPs on the busiest rank: {res['ns_flops']['max_per_rank'] / 1e6:.0f} M, total / W "
+            f"{res['ns_flops']['ideal_per_rank'] / 1e6:.0f} M."
             + (_muon_paired(res, world) if "paired" in res else "")
         )
     sim = muon.get("simulation") or {}
@@ -156,15 +157,15 @@ def muon_region() -> str:
                       f"{t['sent_bytes_rank0'] / 2**20:.1f} MiB sent by rank 0" if "collectives" in t
                       else f"`torch.optim.Muon` on the same layout fails ({t.get('error', 'not run')})")
         out.append(
-            f"Simulated W = {p['world']} ({p['matrices']} matrices): {p['collectives_rank0']} collectives; rank 0 sends "
-            f"{p['sent_bytes_rank0'] / 2**20:.2f} MiB, "
+            f"Simulated W = {p['world']} ({p['matrices']} matrices): {p['collectives_rank0']} collectives; rank 0 "
+            f"sends {p['sent_bytes_rank0'] / 2**20:.2f} MiB, "
             f"{'equal to' if p['sent_bytes_rank0'] == p['expected_sent_bytes_rank0'] else 'NOT equal to'} the layout's "
             f"prediction; all ranks together {p['predicted_total_bytes'] / 2**20:.2f} MiB, "
             f"{'equal to' if p['predicted_total_bytes'] == p['analytic_all_ranks_bytes'] else 'not equal to'} the "
             f"analytic 2 x (W-1)/W x matrix bytes ({p['analytic_all_ranks_bytes'] / 2**20:.2f} MiB); busiest rank "
             f"{p['ns_flops']['max_per_rank'] / 1e9:.0f} Newton-Schulz GFLOPs against total / W = "
-            f"{p['ns_flops']['ideal_per_rank'] / 1e9:.0f} (largest matrix {p['ns_flops']['largest_matrix'] / 1e9:.0f}). "
-            f"{torch_part}."
+            f"{p['ns_flops']['ideal_per_rank'] / 1e9:.0f} (largest matrix "
+            f"{p['ns_flops']['largest_matrix'] / 1e9:.0f}). {torch_part}."
         )
     return "\n\n".join(out)
 
@@ -177,7 +178,8 @@ def _muon_paired(res: dict, world: int) -> str:
     return (f" Round by round: ours / goal median {pw['median_ratio']:.2f}, met in {pw['rounds_met']} of "
             f"{pw['rounds']} rounds. On CPU time: ours {ours['cpu_s'] * 1e3:.1f} ms against 1.2 x "
             f"{unsharded['cpu_s'] * 1e3:.1f} ms / {world} + {res['all_to_all_cpu_s'] * 1e3:.1f} ms = "
-            f"{cpu_goal * 1e3:.1f} ms (paired median {pc['median_ratio']:.2f}, met in {pc['rounds_met']} of {pc['rounds']}).")
+            f"{cpu_goal * 1e3:.1f} ms (paired median {pc['median_ratio']:.2f}, met in {pc['rounds_met']} of "
+            f"{pc['rounds']}).")
 
 
 def muon_allgather_region() -> str:
@@ -185,8 +187,9 @@ def muon_allgather_region() -> str:
     name, results = _muon_results()
     parts = [f"at world {e['world']}: {_ms(e['result']['all_gather_s'])} against {_ms(e['result']['all_to_all_raw_s'])}"
              for e in results["muon"]["steps"] if e["result"] is not None]
-    return (f"In the latest run ([{results['environment']['date']}](../benchmarks/results/{name.removesuffix('.json')}.md), "
-            f"a shared machine) the two all-gathers took {'; '.join(parts)} for the two all-to-alls.")
+    return ("In the latest run "
+            f"([{results['environment']['date']}](../benchmarks/results/{name.removesuffix('.json')}.md), a shared "
+            f"machine) the two all-gathers took {'; '.join(parts)} for the two all-to-alls.")
 
 
 def overhead_region() -> str:
@@ -218,7 +221,8 @@ def ft_region() -> str:
 
 
 def in_backward_region() -> str:
-    """The optimizer in backward against the usual step: peak memory per rank, from the newest ``*-in-backward.json``."""
+    """The optimizer in backward against the usual step: peak memory per rank, from the newest
+    ``*-in-backward.json``."""
     from benchmarks.optim_step import render_in_backward
 
     runs = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*-in-backward.json")))
@@ -264,7 +268,8 @@ def plan_activations_region() -> str:
         "",
         "| | no AC | `--ac` |",
         "| --- | --- | --- |",
-        f"| one block saves | {gib(off.block_activation_bytes)} | {gib(on.block_activation_bytes)} (rebuilt in its backward) |",
+        f"| one block saves | {gib(off.block_activation_bytes)} | {gib(on.block_activation_bytes)} (rebuilt in its "
+        "backward) |",
         f"| kept at the end of forward | {gib(off.activation_bytes)} | {gib(on.activation_bytes)} |",
         f"| activations at their peak | {gib(off.peak_activation_bytes)} | {gib(on.peak_activation_bytes)} |",
         f"| peak on device (was {gib(base.peak_bytes)} without activations) | {gib(off.peak_bytes)} "
@@ -298,10 +303,10 @@ def lines_readme_region() -> str:
     tools = sum(_line_counts("fully_shard/tools/**/*.py").values())
     optim = sum(_line_counts("fully_shard/optim/**/*.py").values())
     return (f"The core library, `fully_shard/*.py`, is {core:,} lines (`wc -l fully_shard/*.py`, counted by "
-            "`docs/gen_figures.py`), small enough to read in an afternoon: start from `fully_shard/api.py`. "
-            f"The optional tools in `fully_shard/tools/` ({tools:,} lines, among them the memory planner, which runs the "
-            f"core itself on a fake process group) and the optimizers in `fully_shard/optim/` ({optim:,} "
-            "lines) come on top.")
+            "`docs/gen_figures.py`), small enough to read in an afternoon: start from `fully_shard/api.py`. The "
+            f"optional tools in `fully_shard/tools/` ({tools:,} lines, among them the memory planner, which runs the "
+            f"core itself on a fake process group) and the optimizers in `fully_shard/optim/` ({optim:,} lines) come "
+            "on top.")
 
 
 REGIONS = {

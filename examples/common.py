@@ -47,8 +47,8 @@ def choose_device(requested: str, accelerator: str | None, count: int, local_pro
     """The device type the job's processes train on, and a note to print (or None).
 
     ``auto``: the accelerator where each of the ``local_procs`` processes on this machine gets a device of its own (as
-    torchrun jobs run, one process per GPU; NCCL refuses two on one), else the CPU with a note saying so. ``cpu``. Or the
-    accelerator's type (``cuda``): refused with a ValueError that says what to pass where there is none or too few.
+    torchrun jobs run, one process per GPU; NCCL refuses two on one), else the CPU with a note saying so. ``cpu``. Or
+    the accelerator's type (``cuda``): refused with a ValueError that says what to pass where there is none or too few.
 
     Example::
 
@@ -63,10 +63,12 @@ def choose_device(requested: str, accelerator: str | None, count: int, local_pro
         return "cpu", (f"note: {local_procs} processes here but {count} {accelerator} device(s), one per process is "
                        f"needed: training on the CPU (gloo); --nproc {count} trains on the {accelerator} device(s)")
     if requested != accelerator:
-        raise ValueError(f"--device {requested}: this machine's accelerator is {accelerator or 'none'}: pass --device auto or --device cpu")
+        raise ValueError(f"--device {requested}: this machine's accelerator is {accelerator or 'none'}: pass --device "
+                         "auto or --device cpu")
     if count < local_procs:
-        raise ValueError(f"--device {requested}: {local_procs} processes here but {count} {requested} device(s), and each "
-                         f"process needs its own: pass --nproc {count} (torchrun: --nproc-per-node={count}) or --device cpu")
+        raise ValueError(f"--device {requested}: {local_procs} processes here but {count} {requested} device(s), and "
+                         f"each process needs its own: pass --nproc {count} (torchrun: --nproc-per-node={count}) or "
+                         "--device cpu")
     return requested, None
 
 

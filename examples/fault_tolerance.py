@@ -74,7 +74,8 @@ def launch(script: str, argv: list[str], *, replicas: int, nproc: int, max_resta
     house = None
     if lighthouse is None:
         port = free_port()
-        house = subprocess.Popen(lighthouse_command(port), stdout=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="warn"))
+        house = subprocess.Popen(lighthouse_command(port), stdout=subprocess.DEVNULL,
+                                 env=dict(os.environ, RUST_LOG="warn"))
         lighthouse = f"http://localhost:{port}"
         print(f"fault tolerance: Lighthouse at {lighthouse} (pid {house.pid}), {replicas} replica groups of {nproc} "
               f"workers, up to {max_restarts} restarts each", flush=True)
@@ -104,8 +105,8 @@ def launch(script: str, argv: list[str], *, replicas: int, nproc: int, max_resta
                 return 0
             if house is not None and house.poll() is not None:
                 print(f"fault tolerance: the Lighthouse {_describe(house.returncode)}; restarting it", flush=True)
-                house = subprocess.Popen(lighthouse_command(int(lighthouse.rsplit(":", 1)[1])), stdout=subprocess.DEVNULL,
-                                         env=dict(os.environ, RUST_LOG="warn"))
+                house = subprocess.Popen(lighthouse_command(int(lighthouse.rsplit(":", 1)[1])),
+                                         stdout=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="warn"))
             for r, group in list(groups.items()):
                 codes = [p.poll() for p in group]
                 if all(c == 0 for c in codes):
@@ -117,13 +118,14 @@ def launch(script: str, argv: list[str], *, replicas: int, nproc: int, max_resta
                     continue
                 _stop(group)
                 if finished is not None:
-                    print(f"fault tolerance: replica group {r}: worker {failed[0]} {_describe(failed[1])} after another "
-                          "group finished; not restarting it", file=sys.stderr, flush=True)
+                    print(f"fault tolerance: replica group {r}: worker {failed[0]} {_describe(failed[1])} after "
+                          "another group finished; not restarting it", file=sys.stderr, flush=True)
                     del groups[r]
                     continue
                 if attempts[r] >= max_restarts:
-                    print(f"fault tolerance: replica group {r}: worker {failed[0]} {_describe(failed[1])}, and the group "
-                          f"has been restarted {max_restarts} times already: giving up", file=sys.stderr, flush=True)
+                    print(f"fault tolerance: replica group {r}: worker {failed[0]} {_describe(failed[1])}, and the "
+                          f"group has been restarted {max_restarts} times already: giving "
+                          "up", file=sys.stderr, flush=True)
                     return 1
                 attempts[r] += 1
                 print(f"fault tolerance: replica group {r}: worker {failed[0]} {_describe(failed[1])}; restarting the "
@@ -202,5 +204,6 @@ def parse_kill(text: str) -> str:
     if len(parts) != 4 or not all(p.isdigit() for p in parts[:3]) or parts[3] not in Chaos.PLACES:
         import argparse
 
-        raise argparse.ArgumentTypeError(f"expected REPLICA:RANK:STEP:WHERE with WHERE one of {Chaos.PLACES}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected REPLICA:RANK:STEP:WHERE with WHERE one of {Chaos.PLACES}, got "
+                                         f"{text!r}")
     return text

@@ -47,7 +47,8 @@ RESHARD = {"true": True, "false": False, "none": None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--config", metavar="TOML", help="job config: any flag below as a key (tables only group keys)")
     a("--nproc", type=positive_int, default=2, help="processes to start here (ignored under torchrun)")
@@ -64,8 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--optimizer", choices=("adamw", "muon"), default="adamw", help="muon: fully_shard.optim.MuonAdamW, Muon on "
       "the block matrices and AdamW on the rest, both at --lr (Muon's update scaled to AdamW's RMS)")
     a("--optimizer-in-backward", action="store_true", help="AdamW per parameter, stepped inside backward as each "
-      "gradient is reduced, which it then frees (fully_shard.optim.in_backward): no step holds every gradient. The same "
-      "losses; needs --max-norm 0 (clipping needs every gradient first)")
+                                                           "gradient is reduced, which it then frees "
+                                                           "(fully_shard.optim.in_backward): no step holds every "
+                                                           "gradient. The same losses; needs --max-norm 0 (clipping "
+                                                           "needs every gradient first)")
     a("--warmup", type=int, default=10, help="linear warmup steps, then cosine decay to lr/10")
     a("--max-norm", type=non_negative_float, default=1.0, help="clip the gradient norm (0: off)")
     a("--seed", type=int, default=0, help="seeds the model init and the data order")
@@ -89,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     s("--compile", action="store_true", help="torch.compile each block (after AC, before fully_shard)")
     s("--reshard-after-forward", choices=sorted(RESHARD), default="none", help="none: all but the root")
-    s("--comm-quant", choices=("none", "int8", "int4"), default="none", help="quantized collectives (fully_shard.quant): "
+    s("--comm-quant", choices=("none", "int8", "int4"), default="none",
+      help="quantized collectives (fully_shard.quant): "
       "int8 weight all-gathers and int8 (or int4) gradient reductions; embeddings and norms stay exact")
     s("--comm-quant-block", type=positive_int, default=256, help="values per fp32 scale in --comm-quant")
     s("--fsdp", choices=("fully_shard", "torch"), default="fully_shard", help="torch: torch's FSDP2 "
@@ -130,9 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     world, where = ((int(os.environ["WORLD_SIZE"]), "the world size") if "WORLD_SIZE" in os.environ
                     else (args.nproc, "--nproc"))
     if args.optimizer_in_backward and (args.max_norm > 0 or args.optimizer != "adamw"):
-        p.error("--optimizer-in-backward steps each parameter as soon as its gradient is reduced, before the others exist: "
-                "pass --max-norm 0 (clipping needs the norm of every gradient) and --optimizer adamw (Muon's matrices "
-                f"are orthogonalized together); got --max-norm {args.max_norm} --optimizer {args.optimizer}")
+        p.error("--optimizer-in-backward steps each parameter as soon as its gradient is reduced, before the others "
+                "exist: pass --max-norm 0 (clipping needs the norm of every gradient) and --optimizer adamw (Muon's "
+                f"matrices are orthogonalized together); got --max-norm {args.max_norm} --optimizer {args.optimizer}")
     if args.hsdp is not None and world % args.hsdp:
         p.error(f"--hsdp {args.hsdp} must divide {where} ({world})")
     if args.ft_enable:
@@ -204,7 +208,8 @@ def run(args: argparse.Namespace) -> None:
 
     # 2. model: the same init on every rank, then (AC, compile,) fully_shard per block, then the root
     torch.manual_seed(args.seed)
-    margs = ModelArgs(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=vocab, max_seq_len=args.seq_len)
+    margs = ModelArgs(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=vocab,
+                      max_seq_len=args.seq_len)
     with torch.device(device):
         model = Transformer(margs)
         model.init_weights()
@@ -222,7 +227,8 @@ def run(args: argparse.Namespace) -> None:
         from fully_shard.quant import quantize_comms
 
         quantized = quantize_comms(model, weights="int8", grads=args.comm_quant, block_size=args.comm_quant_block)
-        log("quantized collectives: " + "; ".join(f"{name or '(root)'}: {how}" for name, how in list(quantized.items())[:2])
+        log("quantized collectives: "
+            + "; ".join(f"{name or '(root)'}: {how}" for name, how in list(quantized.items())[:2])
             + (f"; ... ({len(quantized)} modules)" if len(quantized) > 2 else ""))
     adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     if args.optimizer == "muon":  # each block matrix orthogonalized once, on its owner rank
@@ -232,7 +238,8 @@ def run(args: argparse.Namespace) -> None:
             muon_param_groups(model), lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw", adamw_lr=args.lr,
             adamw_betas=(0.9, 0.95), adamw_weight_decay=0.1)]
     elif args.optimizer_in_backward:  # one AdamW per parameter, stepped by the parameter's hook once its gradient lands
-        optimizers = list(in_backward(model, lambda ps, **kw: local_step(torch.optim.AdamW(ps, **kw)), **adamw).values())
+        optimizers = list(in_backward(model, lambda ps, **kw: local_step(torch.optim.AdamW(ps, **kw)),
+                                      **adamw).values())
     else:  # local_step: AdamW steps on the local shards as plain tensors (bitwise the same, state stays DTensor)
         optimizers = [local_step(torch.optim.AdamW(model.parameters(), **adamw))]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(args.warmup, args.steps)) for o in optimizers]
@@ -293,7 +300,8 @@ def run(args: argparse.Namespace) -> None:
         sampler.load_state_dict(template["data"])  # type: ignore[arg-type]
         if f"rng_rank{rank}" in template:
             torch.set_rng_state(template[f"rng_rank{rank}"])  # type: ignore[arg-type]
-        start, losses, evals = int(saved["step"]), [float(x) for x in saved["losses"]], [tuple(e) for e in saved["evals"]]
+        start, losses, evals = (int(saved["step"]), [float(x) for x in saved["losses"]],
+                                [tuple(e) for e in saved["evals"]])
         log(f"resumed from {path}: step {start}, model, optimizer, schedule, RNG and data position "
             f"(epoch {sampler.epoch}, batch {sampler.batch}) restored")
     batches = iter(DataLoader(train_set, batch_sampler=sampler, num_workers=0))  # type: ignore[arg-type]
@@ -303,7 +311,8 @@ def run(args: argparse.Namespace) -> None:
     flops = flops_per_token(n_params, args.n_layers, args.dim, args.seq_len)
     peak = peak_flops(device, args.peak_tflops)
     restarted = args.ft_enable and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"  # append to its metrics
-    metrics = Metrics(args.metrics if rank == 0 else None, args.tensorboard if rank == 0 else None, start > 0 or restarted)
+    metrics = Metrics(args.metrics if rank == 0 else None, args.tensorboard if rank == 0 else None,
+                      start > 0 or restarted)
     fmt = repr if args.exact_loss else (lambda x: f"{x:.4f}")
     prof = None if args.profile is None else start_profiler(args.profile, rank, device)
     train_time, mem = 0.0, 0
@@ -381,7 +390,8 @@ def run(args: argparse.Namespace) -> None:
                 f"state {fmt_bytes(mem)}" + (f" | max allocated {fmt_bytes(row['max_memory_allocated'])}"
                                              if "max_memory_allocated" in row else "") + extra)
         if manager is not None and manager.maybe_save(step, lambda s=step: state(s), force=step == args.steps):
-            log(f"checkpoint: {args.ckpt_dir}/step_{step}" + (" (writing in the background)" if args.ckpt_async else ""))
+            log(f"checkpoint: {args.ckpt_dir}/step_{step}"
+                + (" (writing in the background)" if args.ckpt_async else ""))
     if prof is not None:
         prof.stop()
         log(f"profile: {args.profile}/rank<r>.json (open in https://ui.perfetto.dev or chrome://tracing)")
@@ -401,8 +411,8 @@ def run(args: argparse.Namespace) -> None:
         log(f"nothing to do: the checkpoint is at step {start}, and --steps is {args.steps}")
         return
     tps = (args.steps - start) * tokens_per_step / train_time
-    log(f"summary: final loss {fmt(losses[-1])} (first {fmt(losses[0])}) | eval loss {fmt(evals[-1][1])} | "
-        f"{tps:,.0f} tokens/s | {train_time:.1f} s | parameters + gradients + optimizer state per rank {fmt_bytes(mem)}")
+    log(f"summary: final loss {fmt(losses[-1])} (first {fmt(losses[0])}) | eval loss {fmt(evals[-1][1])} | {tps:,.0f} "
+        f"tokens/s | {train_time:.1f} s | parameters + gradients + optimizer state per rank {fmt_bytes(mem)}")
     log(f"metrics: {args.metrics}")
     if rank == 0 and not args.no_plot:
         title = f"examples/train.py: {args.n_layers} blocks, dim {args.dim}, {world} ranks, mesh {tuple(mesh.shape)}"

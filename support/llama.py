@@ -127,7 +127,8 @@ def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def tokens(step: int, rank: int, args: LlamaArgs, batch_size: int, seq_len: int) -> torch.Tensor:
     """Different tokens per rank and step, the same in every run and for every library."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g, device="cpu")  # CPU draws: the same tokens on any device
+    # CPU draws: the same tokens on any device
+    return torch.randint(0, args.vocab_size, (batch_size, seq_len), generator=g, device="cpu")
 
 
 def param_count(args: LlamaArgs) -> int:

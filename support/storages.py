@@ -272,7 +272,8 @@ class StorageTracker(TorchDispatchMode):
         who = self._allocator()
         if who == "fully_shard" and self._phase == "backward":
             for st in inputs:  # the parameters' full gradients that fully_shard reads
-                entry = self._refs.get(st._cdata)  # None: a meta storage (a fake tensor's: DTensor's sharding propagation)
+                # None: a meta storage (a fake tensor's: DTensor's sharding propagation)
+                entry = self._refs.get(st._cdata)
                 if entry is not None and self.category[entry[0]] == "backward":
                     self.category[entry[0]] = "unsharded_grad"
         for t in tree_leaves(out):

@@ -184,8 +184,8 @@ def gloo_skip_reason(failures: dict[int, str], world_size: int) -> str | None:
     if not failures or not all(GLOO_ALL_GATHER_REFUSED in text for text in failures.values()):
         return None
     return (
-        f"{DEVICE_ENV}={device_type()}: world size {world_size} needs {world_size} {device_type()} devices (one per rank, "
-        f"NCCL); with fewer the ranks share one over gloo, whose functional all-gather (DTensor.full_tensor, "
+        f"{DEVICE_ENV}={device_type()}: world size {world_size} needs {world_size} {device_type()} devices (one per "
+        "rank, NCCL); with fewer the ranks share one over gloo, whose functional all-gather (DTensor.full_tensor, "
         f"redistribute) has no {device_type()} path and dies of SIGSEGV (pytorch/pytorch#152645)"
     )
 
@@ -622,7 +622,8 @@ def run_distributed(
                     try:
                         results[rank] = pickle.loads(value)
                     except Exception:
-                        kind, value = _MSG_ERR, "result could not be unpickled in the parent:\n" + traceback.format_exc()
+                        kind, value = (_MSG_ERR,
+                                       "result could not be unpickled in the parent:\n" + traceback.format_exc())
                 if kind == _MSG_ERR:
                     if not failures:
                         first_failure_at = time.monotonic()
@@ -666,9 +667,10 @@ def run_distributed(
 
 def concurrently(*calls: Callable[[], Any]) -> list[Any]:
     """Run independent ``calls`` at the same time, one thread each; return their results in order, or raise the
-    exception of the first call (in order) that raised, once every call has ended. For tests that start several independent jobs as
-    subprocesses (examples/train.py runs, each with its own ports and files): a job spends much of its time waiting
-    (process start-up, polling, a replica group idle while another restarts), which the other jobs fill::
+    exception of the first call (in order) that raised, once every call has ended. For tests that start several
+    independent jobs as subprocesses (examples/train.py runs, each with its own ports and files): a job spends much of
+    its time waiting (process start-up, polling, a replica group idle while another restarts), which the other jobs
+    fill::
 
         full, first = concurrently(lambda: _train(FULL), lambda: _train(FIRST))
     """

@@ -156,7 +156,8 @@ def check_gradients(ref: nn.Module, ours: nn.Module, theirs: nn.Module, tol: flo
     return worst_ref, worst_torch
 
 
-def check_parameters(ref: nn.Module, ours: nn.Module, theirs: nn.Module, tol: float, what: str = "") -> tuple[float, float]:
+def check_parameters(ref: nn.Module, ours: nn.Module, theirs: nn.Module, tol: float,
+                     what: str = "") -> tuple[float, float]:
     """After training: the same parameter names in all three; each of ours with torch
     FSDP2's placements and local shape and bitwise its values (bitwise gradients, the same
     layout and AdamW over the same shard shapes), and within ``tol`` of the reference.

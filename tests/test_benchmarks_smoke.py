@@ -66,7 +66,8 @@ def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
                 n, b = totals.get(kind, (0, 0))
                 totals[kind] = (n + k["count"], b + k["input_bytes"])
         assert totals == {"all_gather": (plans[0]["all_gathers"], plans[0]["all_gather_input_bytes"]),
-                          "reduce_scatter": (plans[0]["reduce_scatters"], plans[0]["reduce_scatter_input_bytes"])}, (impl, totals)
+                          "reduce_scatter": (plans[0]["reduce_scatters"],
+                                             plans[0]["reduce_scatter_input_bytes"])}, (impl, totals)
     mem = res["memory_per_rank"]
     assert len(mem) == 2
     for rank in range(2):
@@ -135,7 +136,8 @@ def _check_overhead(ovh: dict, world: int) -> None:
     for impl in impls - {"plain"}:
         # overhead = median minus the plain model's median, phase by phase (the same float arithmetic)
         for ph in phases:
-            assert ovh["overhead_s"][impl][ph] == ovh["median_s"][impl][ph] - ovh["median_s"]["plain"][ph], (world, impl, ph)
+            assert (ovh["overhead_s"][impl][ph]
+                    == ovh["median_s"][impl][ph] - ovh["median_s"]["plain"][ph]), (world, impl, ph)
         assert "hook_per_group" in ovh["overhead_s"][impl], (world, impl)
     assert set(ovh["ratio_to_torch"]) == {"fully_shard", "fully_shard_local_step"}
     # the same weights, batches (on every rank) and arithmetic, and clipping by exactly 1.0, so every

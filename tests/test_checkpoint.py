@@ -501,7 +501,8 @@ class _DropoutNet(nn.Module):
 
 def _resume_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-    return torch.randn(8, 17, generator=g, device="cpu").to(device()), torch.randn(8, 3, generator=g, device="cpu").to(device())
+    return (torch.randn(8, 17, generator=g, device="cpu").to(device()),
+            torch.randn(8, 3, generator=g, device="cpu").to(device()))
 
 
 def _resume_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -618,7 +619,8 @@ def _clip(kind: str, impl: str, per_mesh: bool = False, max_norm: float = 0.5) -
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     torch.testing.assert_close(norm, ref_norm, rtol=tol, atol=0)
     for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=tol, atol=tol * 1e-2, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=tol, atol=tol * 1e-2,
+                                   msg=lambda m: f"{name}: {m}")
     return None
 
 

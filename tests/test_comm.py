@@ -302,6 +302,7 @@ def test_recorder_sees_each_collective_once() -> None:
     tables = run_distributed(_recorder_selftest, 2)
     assert tables[0] == tables[1]
     # torch 2.11 has no *_single names (the test then calls them nowhere): the same table without their two rows
-    expected = [line for line in RECORDED.splitlines(keepends=True) if has_torch_feature("dist.all_gather_single") or "_single" not in line]
+    expected = [line for line in RECORDED.splitlines(keepends=True) if has_torch_feature("dist.all_gather_single")
+                or "_single" not in line]
     assert tables[0] == "".join(expected), tables[0]
 

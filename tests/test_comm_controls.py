@@ -77,7 +77,8 @@ def _allocate_from_process_group() -> dict[str, Any]:
     base = Transformer(ARGS)
     runs: dict[str, Any] = {}
     try:
-        for name, shard, enable in (("ours", fully_shard, True), ("torch", torch_fully_shard, True), ("ours_off", fully_shard, False)):
+        for name, shard, enable in (("ours", fully_shard, True), ("torch", torch_fully_shard, True),
+                                    ("ours_off", fully_shard, False)):
             ProcessGroupGloo.supports_tensor_alloc = lambda self, device: True  # type: ignore[method-assign]
             ProcessGroupGloo.allocate_tensor = allocate_tensor  # type: ignore[method-assign]
             model = copy.deepcopy(base)
@@ -154,13 +155,15 @@ def _symm_mem_on_gloo() -> str:
 
 def test_symm_mem_refused_at_the_call_on_gloo() -> None:
     message = run_distributed(_symm_mem_on_gloo, 2)[0]
-    assert message.startswith("FSDPLinear.set_symm_mem_for_comm('NCCL'): symmetric memory needs a NCCL process group"), message
+    assert message.startswith("FSDPLinear.set_symm_mem_for_comm('NCCL'): symmetric memory needs a NCCL process "
+                              "group"), message
     assert "this module has no accelerator on cpu" in message and "not the results" in message, message
 
 
 def _as_an_accelerator_with_backend(name: str | None) -> dict[str, Any]:
     """fully_shard, then set_symm_mem_for_comm, on a device taken for an accelerator (patched), the group's backend for
-    it named ``name`` (None: the group's own, gloo): the warnings fully_shard gave, and the call's error or "no error"."""
+    it named ``name`` (None: the group's own, gloo): the warnings fully_shard gave, and the call's error or "no
+    error"."""
     import warnings
 
     import fully_shard.api as api
@@ -192,9 +195,11 @@ def test_gloo_carrying_accelerator_tensors_is_named_at_the_call() -> None:
     naming gloo; a group whose backend for the device is NCCL neither (the first GPU run's world of one was NCCL, and
     rightly accepted where the test expected gloo's refusal)."""
     gloo = run_distributed(_as_an_accelerator_with_backend, 1, None)[0]
-    assert "symmetric memory needs a NCCL process group on an accelerator, but this module has gloo on cpu" in gloo["symm"], gloo
+    assert ("symmetric memory needs a NCCL process group on an accelerator, but this module has gloo on cpu"
+            in gloo["symm"]), gloo
     (warning,) = gloo["warned"]
-    assert "carries cpu tensors over gloo" in warning and "SIGSEGV" in warning and "pytorch/pytorch#152645" in warning, warning
+    assert ("carries cpu tensors over gloo" in warning and "SIGSEGV" in warning
+            and "pytorch/pytorch#152645" in warning), warning
     assert "one rank per device" in warning, warning
     assert run_distributed(_as_an_accelerator_with_backend, 1, "nccl")[0] == {"warned": [], "symm": "no error"}
     mpi = run_distributed(_as_an_accelerator_with_backend, 1, "mpi")[0]
@@ -221,7 +226,8 @@ def _symm_mem_without_the_pool() -> str:
 
 def test_symm_mem_without_torchs_pool_is_refused_at_the_call() -> None:
     message = run_distributed(_symm_mem_without_the_pool, 1)[0]
-    assert "need torch.distributed._symmetric_memory.get_mem_pool, which torch" in message and "upgrade torch" in message, message
+    assert ("need torch.distributed._symmetric_memory.get_mem_pool, which torch" in message
+            and "upgrade torch" in message), message
 
 
 def _symm_mem_choices(force_sum: bool) -> dict[str, Any]:

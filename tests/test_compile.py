@@ -180,20 +180,25 @@ def _check_matrix(results: dict[Any, dict[str, Any]], cases: list[Case]) -> None
         theirs = results.get(("torch", backend, placement))
         what = f"{backend}, {placement}"
         # both blocks share one graph; fullgraph=True would have raised on a graph break
-        assert ours["graphs"] == 1 and ours["graph_breaks"] == 0, f"{what}: {ours['graphs']} graphs, {ours['graph_breaks']} breaks"
+        assert ours["graphs"] == 1 and ours["graph_breaks"] == 0, (f"{what}: {ours['graphs']} graphs, "
+                                                                   f"{ours['graph_breaks']} breaks")
         assert list(ours["params"]) == list(ref["params"]), what
         torch.testing.assert_close(
-            torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), **loss_tol, msg=lambda m: f"{what}, losses vs eager: {m}"
+            torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), **loss_tol,
+            msg=lambda m: f"{what}, losses vs eager: {m}"
         )
         for name, p in ours["params"].items():
-            torch.testing.assert_close(p, ref["params"][name], **param_tol, msg=lambda m: f"{what}, {name} vs eager: {m}")
+            torch.testing.assert_close(p, ref["params"][name], **param_tol,
+                                       msg=lambda m: f"{what}, {name} vs eager: {m}")
         if theirs is None:
             continue
         assert theirs["graphs"] == 1, f"{what}: torch FSDP2 compiled {theirs['graphs']} graphs"
         # bitwise on any CPU: the same graphs (so the same kernels) and collectives as torch FSDP2
-        assert ours["losses"] == theirs["losses"], f"{what}: losses {ours['losses']} != torch FSDP2's {theirs['losses']}"
+        assert ours["losses"] == theirs["losses"], (f"{what}: losses {ours['losses']} != torch FSDP2's "
+                                                    f"{theirs['losses']}")
         for name, p in ours["params"].items():
-            torch.testing.assert_close(p, theirs["params"][name], **BITWISE, msg=lambda m: f"{what}, {name} vs torch: {m}")
+            torch.testing.assert_close(p, theirs["params"][name], **BITWISE,
+                                       msg=lambda m: f"{what}, {name} vs torch: {m}")
 
 
 # every placement for ours under eager and aot_eager (the slowest to trace here: no

@@ -60,7 +60,8 @@ def test_every_torch_fsdp2_name_exists_with_the_same_signature() -> None:
     for name in names:
         assert hasattr(ours_pkg, name), f"fully_shard lacks torch's {name}"
         theirs, mine = getattr(torch_fsdp, name), getattr(ours_pkg, name)
-        assert _shape(mine) == _shape(theirs), f"{name}: {inspect.signature(mine)} != torch's {inspect.signature(theirs)}"
+        assert _shape(mine) == _shape(theirs), (f"{name}: {inspect.signature(mine)} != torch's "
+                                                f"{inspect.signature(theirs)}")
     # torch's shard_placement_fn result type, used for expert weights
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 
@@ -107,7 +108,8 @@ class CountingAllGather:
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
         self.calls += 1
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -119,7 +121,8 @@ class CountingReduceScatter:
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
         self.calls += 1
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
@@ -207,8 +210,10 @@ def _train_side_by_side(case: str) -> dict[str, Any]:
     }
 
 
-CASES = ["force_sum", pytest.param("separate_rs_group", marks=requires_torch_feature("FSDPModule.set_separate_reduce_scatter_group")),
-         pytest.param("max_input_buffers", marks=requires_torch_feature("FSDPModule.set_reduce_scatter_max_input_buffers")),
+CASES = ["force_sum", pytest.param("separate_rs_group",
+                                   marks=requires_torch_feature("FSDPModule.set_separate_reduce_scatter_group")),
+         pytest.param("max_input_buffers",
+                      marks=requires_torch_feature("FSDPModule.set_reduce_scatter_max_input_buffers")),
          "divide_factor", "custom_comms", "all_reduce_hook", "unshard_in_backward"]
 
 
@@ -252,7 +257,8 @@ def test_unsupported_backend_features_raise_at_the_call() -> None:
     assert "symmetric memory needs a NCCL process group" in symm and "not the results" in symm
     # the backend that carries the module's tensors is named: gloo on an accelerator too (the first GPU run's world of
     # one used NCCL, on which set_symm_mem_for_comm is rightly accepted; this group is gloo on purpose)
-    assert ("this module has gloo on cuda" if device_type() == "cuda" else "this module has no accelerator on cpu") in symm, symm
+    assert ("this module has gloo on cuda" if device_type() == "cuda"
+            else "this module has no accelerator on cpu") in symm, symm
     assert "positive int" in buffers
     assert "allocate" in comm
 
@@ -341,7 +347,8 @@ def _moe(use_torch: bool) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2):
-        xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device()) for r in range(world)]
+        xs = [torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device())
+              for r in range(world)]
         # expert of rank r at step s: (r + s) % 3, so ranks differ and the choice moves
         model(xs[rank], (rank + step) % 3).sum().backward()
         opt.step()
@@ -397,7 +404,8 @@ SKIP_ROUTES = {
 def _moe_meshes(layout: str, world: int, result: Any) -> tuple[Any, dict[str, Any]]:
     """The mesh of every call, and the experts' own fully_shard arguments: ``fsdp`` 1-D; ``hsdp`` (2, world/2);
     ``experts_mesh`` 1-D, the experts' parameters on a (2, world/2) HSDP mesh of their own (a ShardPlacementResult, as
-    torchtitan places them); ``experts_sub_mesh`` their calls on a world/2-rank sub-mesh, their parameters on the 1-D."""
+    torchtitan places them); ``experts_sub_mesh`` their calls on a world/2-rank sub-mesh, their parameters on the
+    1-D."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
     if layout == "hsdp":
@@ -445,7 +453,8 @@ def _skipping_moe(use_torch: bool, routes: list[list[list[int]]], prefetch: bool
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     no_grad = []
     for step, route in enumerate(routes):
-        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device()) for r in range(world)]
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device())
+              for r in range(world)]
         sync = (step + 1) % accumulate == 0
         model.set_requires_gradient_sync(sync)
         try:
@@ -458,7 +467,8 @@ def _skipping_moe(use_torch: bool, routes: list[list[list[int]]], prefetch: bool
         no_grad += [p.grad is None for p in model.parameters()]
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             # used nowhere in this step: no gradient in either (or a zero one, where every rank reduced zeros)
-            got, want = (torch.zeros_like(q) if g is None else g for g in (None if p.grad is None else p.grad.full_tensor(), q.grad))
+            got, want = (torch.zeros_like(q) if g is None else g
+                         for g in (None if p.grad is None else p.grad.full_tensor(), q.grad))
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"step {step}: {name}.grad")
         opt.step()
         opt.zero_grad()
@@ -475,7 +485,8 @@ def _skipping_like_torch(world_size: int, *args: Any) -> list[Any]:
     torch FSDP2 trains right, bitwise equal to it: the same gloo collectives on the same layouts, in another order."""
     ours = run_distributed(_skipping_moe, world_size, False, *args)
     experts_mesh = len(args) > 2 and args[2].startswith("experts")
-    skip_without_torch_feature("FSDPModule.set_reduce_scatter_unused_params", *(["ShardPlacementResult"] if experts_mesh else []))
+    skip_without_torch_feature("FSDPModule.set_reduce_scatter_unused_params",
+                               *(["ShardPlacementResult"] if experts_mesh else []))
     theirs = run_distributed(_skipping_moe, world_size, True, *args)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert all(torch.equal(p, q) for p, q in zip(a[0], b[0])) and a[1] == b[1], f"rank {rank}"
@@ -612,7 +623,8 @@ def _spmd(case: str, use_torch: bool, torch_dims: bool = False, ckpt: str | None
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    out = {"losses": losses, "grads": grads, "params": [p.full_tensor() for p in model.parameters()], "layout": layout, "state": state}
+    out = {"losses": losses, "grads": grads, "params": [p.full_tensor() for p in model.parameters()], "layout": layout,
+           "state": state}
     if ckpt is not None and use_torch:
         dcp.save(model.state_dict(), checkpoint_id=ckpt)
     elif ckpt is not None:
@@ -656,7 +668,8 @@ def _spmd_refusals() -> list[str]:
     messages = []
     for module, dims in (
         (nn.Linear(4, 4), DataParallelMeshDims(shard="dp")),  # a plain parameter
-        (SpmdMLP(mesh, tp=None), DataParallelMeshDims(shard=("dp", "cp"))),  # not adjacent: torch fails inside DeviceMesh
+        # not adjacent: torch fails inside DeviceMesh
+        (SpmdMLP(mesh, tp=None), DataParallelMeshDims(shard=("dp", "cp"))),
     ):
         try:
             fully_shard(module, mesh=mesh, dp_mesh_dims=dims)
@@ -707,7 +720,8 @@ def _experts(
     shard, result = _ours_or_torch(use_torch, placement_result=True)
     world = dist.get_world_size()
     main_hsdp = {"mesh_shape": (2, world // 2), "mesh_dim_names": ("rep", "shard")}
-    mesh = init_device_mesh(device_type(), **main_hsdp) if case == "main_hsdp" else init_device_mesh(device_type(), (world,))
+    mesh = (init_device_mesh(device_type(), **main_hsdp) if case == "main_hsdp"
+            else init_device_mesh(device_type(), (world,)))
     expert_mesh = init_device_mesh(device_type(), (2, world // 2), mesh_dim_names=("rep", "efsdp"))
     # torch's own mesh infos, as torchtitan builds them, passed to both
     if case == "main_hsdp":
@@ -722,14 +736,16 @@ def _experts(
     if subclass:  # the experts all-gather themselves (HalfGather, tests/test_subclass_params.py)
         model.experts = nn.Parameter(HalfGather(model.experts.detach().clone()))
         HalfGather.meshes.clear()
-    place = {"shard_placement_fn": lambda p: result(Shard(EXPERT_CASES.get(case, 0)), info) if p is model.experts else None}
+    place = {"shard_placement_fn": lambda p: result(Shard(EXPERT_CASES.get(case, 0)), info) if p is model.experts
+             else None}
     shard(model, mesh=mesh, reshard_after_forward=reshard, **place)
     layout = [(n, [str(q) for q in p.placements], p.device_mesh.mesh.tolist()) for n, p in model.named_parameters()]
     state = [(k, [str(q) for q in v.placements]) for k, v in model.state_dict().items()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
     losses, grads = [], []
     for step in range(2):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()), device="cpu").to(device())
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()),
+                        device="cpu").to(device())
         with CollectiveRecorder() as rec:  # the last step's collectives
             loss = model(x).pow(2).sum()
             rec.mark("backward")
@@ -746,7 +762,8 @@ def _experts(
 def _check_like_torch(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
     """Bitwise: the same layouts reduced with the same gloo ops over the same ranks."""
     for rank, (a, b) in enumerate(zip(ours, theirs)):
-        assert a["layout"] == b["layout"] and a["state"] == b["state"], f"rank {rank}: {a['layout']} != torch's {b['layout']}"
+        assert a["layout"] == b["layout"] and a["state"] == b["state"], (f"rank {rank}: {a['layout']} != torch's "
+                                                                         f"{b['layout']}")
         assert a["losses"] == b["losses"], f"rank {rank}: losses {a['losses']} != torch's {b['losses']}"
         for p, q in zip(a["grads"] + a["params"], b["grads"] + b["params"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
@@ -757,7 +774,8 @@ def test_shard_placement_result_on_another_mesh_matches_torch_fsdp2(case: str) -
     ours = run_distributed(_experts, 4, case, False)
     for rank, a in enumerate(ours):  # the experts live on their own mesh (the others on the 4-rank one)
         assert a["layout"][0][0] == "experts" and a["layout"][1][2] == [0, 1, 2, 3], a["layout"]
-        assert a["layout"][0][2] == ([[0, 1], [2, 3]] if case == "hsdp_2x2" else [[0, 1], [2, 3]][rank // 2]), a["layout"]
+        assert a["layout"][0][2] == ([[0, 1], [2, 3]] if case == "hsdp_2x2"
+                                     else [[0, 1], [2, 3]][rank // 2]), a["layout"]
     if case == "fsdp_2_dim1":  # experts reduced within their 2 ranks only: the two pairs differ
         assert not torch.equal(ours[0]["params"][0], ours[2]["params"][0])
     for a, c in zip(ours, run_distributed(_experts, 4, case, False, True)):  # the mesh itself: the same program
@@ -771,10 +789,12 @@ def test_shard_placement_result_on_another_mesh_matches_torch_fsdp2(case: str) -
 # (torch: a post-forward mesh per group), or reshards fully where 2 is its shard size
 INT_COMMS = {
     # HSDP (2, 2) others: 2 is their shard size (True); the experts on the 4-rank mesh keep 1/2
-    "main_hsdp": ["all_gather 2 45", "all_gather 4 64", "--", "all_gather 2 45", "all_gather 2 128", "reduce_scatter 2 90",
+    "main_hsdp": ["all_gather 2 45", "all_gather 4 64", "--", "all_gather 2 45", "all_gather 2 128",
+                  "reduce_scatter 2 90",
                   "reduce_scatter 4 256", "all_reduce 2 45"],
     # the others on the 4-rank mesh keep 1/2; the experts' shard size is 2 (True)
-    "hsdp_2x2": ["all_gather 4 27", "all_gather 2 128", "--", "all_gather 2 54", "all_gather 2 128", "reduce_scatter 4 108",
+    "hsdp_2x2": ["all_gather 4 27", "all_gather 2 128", "--", "all_gather 2 54", "all_gather 2 128",
+                 "reduce_scatter 4 108",
                  "reduce_scatter 2 256", "all_reduce 2 128"],
 }
 
@@ -796,7 +816,8 @@ def test_int_reshard_after_forward_with_another_mesh_matches_torch_fsdp2(case: s
         assert phases[0] == phases[1], b["comms"]
 
 
-@pytest.mark.parametrize(("world_size", "case"), [(2, "main_hsdp"), (2, "hsdp_2x2"), (4, "main_hsdp"), (4, "fsdp_2_dim1")])
+@pytest.mark.parametrize(("world_size", "case"),
+                         [(2, "main_hsdp"), (2, "hsdp_2x2"), (4, "main_hsdp"), (4, "fsdp_2_dim1")])
 def test_subclass_on_another_mesh_matches_torch_fsdp2(world_size: int, case: str) -> None:
     """The experts all-gather themselves (HalfGather) on their own mesh: over its ranks, with
     its shard mesh given to ``fsdp_pre_all_gather``; 2 ranks' main_hsdp gathers them over the 2."""
@@ -846,9 +867,11 @@ def test_int_reshard_after_forward_refusals_like_torch() -> None:
     divisor, subclass = run_distributed(_int_refusal, 4, False, False), run_distributed(_int_refusal, 4, False, True)[0]
     for ours in divisor:
         assert ours.startswith("ValueError"), ours
-        assert "reshard_after_forward=4 must be a divisor of the shard group size 2 of the mesh shard_placement_fn gave 'experts'" in ours
+        assert ("reshard_after_forward=4 must be a divisor of the shard group size 2 of the mesh shard_placement_fn "
+                "gave 'experts'") in ours
     assert subclass.startswith("NotImplementedError"), subclass
-    assert "reshard_after_forward=<int> is not supported for tensor-subclass parameters" in subclass and "'experts'" in subclass
+    assert ("reshard_after_forward=<int> is not supported for tensor-subclass parameters" in subclass
+            and "'experts'" in subclass)
     skip_without_torch_feature("ShardPlacementResult")
     assert all(theirs.startswith("ValueError") for theirs in run_distributed(_int_refusal, 4, True, False))
     assert run_distributed(_int_refusal, 4, True, True)[0].startswith("NotImplementedError")
@@ -860,7 +883,8 @@ def _expert_refusals() -> list[str]:
     messages = []
     model = ExpertMLP()
     try:
-        fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), "efsdp") if p is model.experts else None)
+        fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), "efsdp") if p is model.experts
+                    else None)
         messages.append("no error")
     except ValueError as e:
         messages.append(str(e))

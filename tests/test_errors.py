@@ -40,7 +40,8 @@ def _catching(case: Callable[..., Any], *args: Any) -> tuple[type[BaseException]
 
 
 def _expect_error(
-    case: Callable[..., Any], exc_type: type[BaseException], *fragments: str, args: tuple[Any, ...] = (), world_size: int = 1
+    case: Callable[..., Any], exc_type: type[BaseException], *fragments: str, args: tuple[Any, ...] = (),
+    world_size: int = 1
 ) -> str:
     results = run_distributed(_catching, world_size, case, *args)
     for rank, res in enumerate(results):
@@ -359,7 +360,8 @@ def test_offload_policy_wrong_type() -> None:
 
 def test_shard_placement_fn_must_return_shard() -> None:
     _expect_error(
-        _case_shard_placement_fn, ValueError, "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None", "weight"
+        _case_shard_placement_fn, ValueError,
+        "shard_placement_fn must return Shard(dim), a ShardPlacementResult or None", "weight"
     )
 
 
@@ -399,7 +401,8 @@ def test_scalar_parameter_ignored_params_remedy() -> None:
 
 def test_meta_parameter_at_first_forward_names_fqn_from_root() -> None:
     _expect_error(
-        _case_meta_submodule_at_first_forward, RuntimeError, "'layers.0.attention.wq.weight'", "meta", "to_empty", world_size=2
+        _case_meta_submodule_at_first_forward, RuntimeError, "'layers.0.attention.wq.weight'", "meta", "to_empty",
+        world_size=2
     )
 
 
@@ -459,8 +462,9 @@ def test_parameter_tied_across_groups_sharded_differently() -> None:
 def test_tie_across_calls_with_different_mixed_precision_is_refused() -> None:
     # both calls sum into one gradient held between them: a bf16 and an fp32 group would mix dtypes silently
     _expect_error(_case_tied_mixed_precision, ValueError, _TIED_BLOCKS,
-                  "(mp_policy: param_dtype torch.bfloat16, reduce_dtype torch.bfloat16 here, param_dtype torch.float32, "
-                  "reduce_dtype torch.float32 there)", "offload_policy and mp_policy to both calls", world_size=2)
+                  "(mp_policy: param_dtype torch.bfloat16, reduce_dtype torch.bfloat16 here, param_dtype "
+                  "torch.float32, reduce_dtype torch.float32 "
+                  "there)", "offload_policy and mp_policy to both calls", world_size=2)
 
 
 def test_module_shared_across_groups_is_a_tie_not_top_down() -> None:
@@ -509,12 +513,14 @@ def test_child_forward_before_root() -> None:
 
 
 def test_forward_prefetch_with_non_fsdp_module() -> None:
-    _expect_error(_case_forward_prefetch_non_fsdp, ValueError, "set_modules_to_forward_prefetch", "'norm' (RMSNorm", world_size=2)
+    _expect_error(_case_forward_prefetch_non_fsdp, ValueError, "set_modules_to_forward_prefetch", "'norm' (RMSNorm",
+                  world_size=2)
 
 
 def test_backward_prefetch_with_non_fsdp_module() -> None:
     _expect_error(
-        _case_backward_prefetch_non_fsdp, ValueError, "set_modules_to_backward_prefetch", "'layers.0.attention' (Attention", world_size=2
+        _case_backward_prefetch_non_fsdp, ValueError, "set_modules_to_backward_prefetch",
+        "'layers.0.attention' (Attention", world_size=2
     )
 
 

@@ -38,7 +38,8 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     except subprocess.TimeoutExpired as timed_out:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"examples/train.py {' '.join(args)} timed out after {timeout} s\n{out}\n{err}") from timed_out
+        raise AssertionError(f"examples/train.py {' '.join(args)} timed out after {timeout} s\n{out}\n"
+                             f"{err}") from timed_out
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -67,7 +68,8 @@ def test_train_example_runs_and_learns(tmp_path: object) -> None:
         for phase in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
             assert f'"fully_shard::{phase}"' in trace, (rank, phase)
         # each collective's range names its group, as torch's do
-        for name in ("all_gather layers.0", "all_gather layers.1", "reduce_scatter layers.1", "reduce_scatter layers.0"):
+        for name in ("all_gather layers.0", "all_gather layers.1", "reduce_scatter layers.1",
+                     "reduce_scatter layers.0"):
             assert f'"fully_shard::{name}"' in trace, (rank, name)
 
 
@@ -92,7 +94,8 @@ def test_train_example_with_muon_learns() -> None:
 
 def test_train_example_with_quantized_collectives_learns() -> None:
     log = _learns("--comm-quant", "int4", "--comm-quant-block", "64")
-    assert "quantized collectives: (root): weights int8, grads int4 (exact: tok_embeddings.weight, norm.weight)" in log, log
+    assert ("quantized collectives: (root): weights int8, grads int4 (exact: tok_embeddings.weight, norm.weight)"
+            in log), log
 
 
 def test_train_example_rejects_bad_flags() -> None:
@@ -101,7 +104,8 @@ def test_train_example_rejects_bad_flags() -> None:
     assert "--dim (30) must be divisible by --n-heads (4)" in result.stderr, result.stderr
     assert "fully_shard on" not in result.stdout  # no worker was started
     result = _run(["--optimizer-in-backward"], timeout=60)  # --max-norm is 1.0 by default
-    assert result.returncode == 2 and "pass --max-norm 0 (clipping needs the norm of every gradient)" in result.stderr, result
+    assert (result.returncode == 2
+            and "pass --max-norm 0 (clipping needs the norm of every gradient)" in result.stderr), result
 
 
 def test_optimizer_in_backward_trains_to_the_same_losses(tmp_path: object) -> None:
@@ -109,7 +113,8 @@ def test_optimizer_in_backward_trains_to_the_same_losses(tmp_path: object) -> No
     step, with gradient accumulation: the same losses to the last digit (AdamW is elementwise: the same arithmetic on
     every element), and less held per rank (no step keeps every gradient)."""
     flags = ["--nproc", "2", "--steps", "3", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
-             "--warmup", "1", "--grad-accum", "2", "--max-norm", "0", "--tokenizer", "bytes", "--exact-loss", "--log-every",
+             "--warmup", "1", "--grad-accum", "2", "--max-norm", "0", "--tokenizer", "bytes", "--exact-loss",
+             "--log-every",
              "1", "--eval-every", "0", "--no-plot", "--no-progress"]
     runs = []
     usual, in_backward = ([*flags, "--metrics", os.path.join(str(tmp_path), f"{name}.jsonl"), *extra]
@@ -120,7 +125,8 @@ def test_optimizer_in_backward_trains_to_the_same_losses(tmp_path: object) -> No
         losses = re.findall(r"^step\s+\d+/3 \| loss (\S+) ", result.stdout, re.M)
         state = re.search(r"^summary: .* \| eval loss (\S+) .* per rank ([\d.,]+) (KiB|MiB)$", result.stdout, re.M)
         assert len(losses) == 3 and state is not None, log
-        runs.append((losses, state.group(1), float(state.group(2).replace(",", "")) * {"KiB": 1, "MiB": 1024}[state.group(3)]))
+        runs.append((losses, state.group(1),
+                     float(state.group(2).replace(",", "")) * {"KiB": 1, "MiB": 1024}[state.group(3)]))
     assert "optimizer AdamW in backward, 2 blocks" in result.stdout, result.stdout
     (losses, eval_loss, state), (losses_ib, eval_loss_ib, state_ib) = runs
     assert losses_ib == losses and eval_loss_ib == eval_loss, runs
@@ -134,7 +140,8 @@ def test_device_choice_needs_a_device_per_process() -> None:
     assert choose_device("auto", None, 0, 2) == ("cpu", None)
     assert choose_device("auto", "cuda", 2, 2) == ("cuda", None)
     device, note = choose_device("auto", "cuda", 1, 2)  # NCCL refuses two processes on one GPU
-    assert device == "cpu" and note is not None and "2 processes here but 1 cuda device(s)" in note and "--nproc 1" in note
+    assert (device == "cpu" and note is not None and "2 processes here but 1 cuda device(s)" in note
+            and "--nproc 1" in note)
     assert choose_device("cpu", "cuda", 8, 2) == ("cpu", None)
     assert choose_device("cuda", "cuda", 8, 8) == ("cuda", None)
     for requested, accelerator, count, message in [("cuda", "cuda", 1, "2 processes here but 1 cuda device(s)"),
@@ -228,8 +235,8 @@ def test_checked_in_config_runs_the_main_job(tmp_path: object) -> None:
     log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, log
     # [job] nproc = 2; [model] n_layers = 4, dim = 128, tokenizer = "bpe", vocab_size = 1024
-    assert re.search(r"^fully_shard on 2 ranks \(gloo, cpu\) \| [\d,]+ parameters, optimizer AdamW, 4 blocks, dim 128 \| "
-                     r"mesh \(2,\) \| data: [\d,]+ tokens \(bpe, vocabulary 1024\)", result.stdout, re.M), log
+    assert re.search(r"^fully_shard on 2 ranks \(gloo, cpu\) \| [\d,]+ parameters, optimizer AdamW, 4 blocks, dim 128 "
+                     r"\| mesh \(2,\) \| data: [\d,]+ tokens \(bpe, vocabulary 1024\)", result.stdout, re.M), log
     assert re.findall(r"^step\s+(\d+)/2 \|", result.stdout, re.M) == ["1", "2"], log  # --steps 2 over steps = 120
     with open(metrics) as f:
         rows = [json.loads(line) for line in f]
@@ -254,7 +261,8 @@ def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(tmp_path: ob
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # 200 columns: room for the postfix
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(
-        [sys.executable, TRAIN, "--device", "cpu", "--nproc", "2", "--steps", "3", "--n-layers", "1", "--dim", "32", "--seq-len", "16",
+        [sys.executable, TRAIN, "--device", "cpu", "--nproc", "2", "--steps", "3", "--n-layers", "1", "--dim", "32",
+         "--seq-len", "16",
          "--batch-size", "2", "--tokenizer", "bytes", "--eval-batches", "1", "--plot", plot,
          "--metrics", os.path.join(str(tmp_path), "m.jsonl")],
         cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
@@ -276,12 +284,14 @@ def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(tmp_path: ob
                 break
         else:
             os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError("examples/train.py under a terminal timed out:\n" + b"".join(chunks).decode(errors="replace"))
+            raise AssertionError("examples/train.py under a terminal timed out:\n"
+                                 + b"".join(chunks).decode(errors="replace"))
         assert proc.wait(timeout=30) == 0, b"".join(chunks).decode(errors="replace")
     finally:
         os.close(master)
     output = b"".join(chunks).decode(errors="replace")
-    # the bar's last state (written on close), e.g. "train: 100%|████| 3/3 [00:02<00:00, 1.2step/s, loss 5.4321, 1,234 tokens/s]"
+    # the bar's last state (written on close), e.g. "train: 100%|████| 3/3 [00:02<00:00, 1.2step/s, loss 5.4321, 1,234
+    # tokens/s]"
     assert re.search(r"train: 100%\|[^\r\n]*\| 3/3 \[[^\]\r\n]*, loss \d+\.\d{4}, [\d,]+ tokens/s\]", output), output
     assert f"loss curve: {plot} (3 steps)" in output and os.path.getsize(plot) > 0, output
     assert "NumPy" not in output, output  # torch: "Failed to initialize NumPy" when numpy is missing

@@ -6,9 +6,9 @@ from a hook on each block's output, the block that comes next in backward. The s
 torch's FSDP2 and on the unsharded model (no ``unshard``; gradients averaged over the ranks, ``tests.oracle``).
 
 ``grad_locals``: the sharded parameters' local tensors require grad, as torch's DTensor localisation for DDP makes them
-(``torch.distributed.tensor.parallel.ddp``, used by ``replicate()``, which is how torch's ``test_unshard_async`` met it).
-The all-gather then has to pack and copy out without grad, as torch's does; it used to fail at the copy-in with
-"A view was created in no_grad mode and is being modified inplace with grad mode enabled".
+(``torch.distributed.tensor.parallel.ddp``, used by ``replicate()``, which is how torch's ``test_unshard_async`` met
+it). The all-gather then has to pack and copy out without grad, as torch's does; it used to fail at the copy-in with "A
+view was created in no_grad mode and is being modified inplace with grad mode enabled".
 
 Tolerances (fp32, gloo): bitwise against torch's FSDP2 at every world size (the same layout and collectives); against
 the reference bitwise at world size 2, ``tests.oracle.REF_TOL`` beyond (another summation order).
@@ -44,7 +44,8 @@ class UnshardingTransformer(Transformer):
         self.how = how
 
     def _unshard(self, block: nn.Module, wait: bool) -> Any:
-        """Unshard ``block`` (a no-op on the unsharded reference); returns the handle of an async unshard not waited on."""
+        """Unshard ``block`` (a no-op on the unsharded reference); returns the handle of an async unshard not waited
+        on."""
         if not hasattr(block, "unshard"):
             return None
         handle = block.unshard(async_op=self.how == "async")
@@ -52,7 +53,8 @@ class UnshardingTransformer(Transformer):
             if handle is not None:
                 handle.wait()
             weight = block.attention.wq.weight
-            assert not isinstance(weight, DTensor) and weight.shape == (ARGS.dim, ARGS.dim), f"not gathered: {type(weight)}"
+            assert not isinstance(weight, DTensor) and weight.shape == (ARGS.dim, ARGS.dim), ("not gathered: "
+                                                                                              f"{type(weight)}")
             return None
         return handle
 
@@ -92,7 +94,8 @@ def case(how: str, entry: str, grad_locals: bool, steps: int) -> dict[str, float
     torch.manual_seed(0)
     ref = UnshardingTransformer(how)
     models: dict[str, nn.Module] = {"ref": ref}
-    for impl, shard, register in (("ours", fully_shard, register_fsdp_forward_method), ("torch", torch_fully_shard, torch_register)):
+    for impl, shard, register in (("ours", fully_shard, register_fsdp_forward_method),
+                                  ("torch", torch_fully_shard, torch_register)):
         m = models[impl] = copy.deepcopy(ref)
         for block in m.layers:
             shard(block, mesh=mesh)
@@ -117,8 +120,10 @@ def case(how: str, entry: str, grad_locals: bool, steps: int) -> dict[str, float
             counts[k] = rec.counts()
         average_gradients(ref)
         at = f"{what}: step {step}"
-        assert counts["ours"] == counts["torch"], f"{at}: collectives (ours, torch FSDP2): {counts['ours']}, {counts['torch']}"
-        worst["ref"] = max(worst["ref"], close(losses["ours"], losses["ref"], ref_tol("loss"), f"{at} loss vs reference"))
+        assert counts["ours"] == counts["torch"], (f"{at}: collectives (ours, torch FSDP2): {counts['ours']}, "
+                                                   f"{counts['torch']}")
+        worst["ref"] = max(worst["ref"],
+                           close(losses["ours"], losses["ref"], ref_tol("loss"), f"{at} loss vs reference"))
         worst["torch"] = max(worst["torch"], close(losses["ours"], losses["torch"], 0.0, f"{at} loss vs torch FSDP2"))
         diffs = check_gradients(ref, models["ours"], models["torch"], ref_tol("grad"), at)
         worst = {"ref": max(worst["ref"], diffs[0]), "torch": max(worst["torch"], diffs[1])}

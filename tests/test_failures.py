@@ -218,7 +218,8 @@ def _check_one_rank_failure(where: str) -> None:
     # after TIMEOUT_S (not a clock reading, which a loaded machine stretches)
     assert f"Timed out waiting {int(TIMEOUT_S * 1000)}ms" in message, message
     # which collective of which fully_shard group, and what to do about it
-    assert re.search(r"(all-gather|reduce-scatter|all-reduce) of (layers\.\d|\w*Transformer \(root\))'s", message), message
+    assert re.search(r"(all-gather|reduce-scatter|all-reduce) of (layers\.\d|\w*Transformer \(root\))'s",
+                     message), message
     assert "reset_iter_state" in message and "timeout" in message, message
 
 

@@ -159,7 +159,8 @@ def _errors() -> list[str]:
     out = []
     for call in (
         lambda: FaultTolerantHSDP(_Manager(), torch.nn.Linear(2, 2), opt),
-        lambda: FaultTolerantHSDP(_Manager(), _shard(Transformer(), "ours", init_device_mesh(device_type(), (1, 2))), opt),
+        lambda: FaultTolerantHSDP(_Manager(), _shard(Transformer(), "ours", init_device_mesh(device_type(), (1, 2))),
+                                  opt),
         lambda: load_sharded_state_dict(model, opt, sharded_state_dict(_shard(Transformer(ModelArgs(dim=96)), "ours",
                                                                               mesh))),
         lambda: load_sharded_state_dict(model, opt, sharded_state_dict(Transformer(ModelArgs(n_layers=2)))),
@@ -175,8 +176,8 @@ def test_bad_input_and_a_split_group_raise_naming_the_cause() -> None:
     messages = run_distributed(_errors, 2)[0]
     assert "Linear has no FSDP module: call fully_shard" in messages[0]
     assert "parameter 'logit_scale' is on a 2-D mesh: the replicate dimension is torchft's" in messages[1]
-    assert re.search(r"the state received for 'tok_embeddings\.weight' is \(\d+, 96\) .* every replica group must build "
-                     "the same model and shard it over the same number of ranks", messages[2]), messages[2]
+    assert re.search(r"the state received for 'tok_embeddings\.weight' is \(\d+, 96\) .* every replica group must "
+                     r"build the same model and shard it over the same number of ranks", messages[2]), messages[2]
     assert "names other tensors than this model's (['layers.2." in messages[3]
     assert "the ranks of this replica group disagree on the step (0 to 1) after a live recovery failed" in messages[4]
 

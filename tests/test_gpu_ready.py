@@ -82,7 +82,8 @@ def test_only_the_refused_all_gather_on_every_failed_rank_is_a_skip() -> None:
     refused = f"Traceback ...\nRuntimeError: {harness.GLOO_ALL_GATHER_REFUSED} (cuda tensors ...)"
     reason = harness.gloo_skip_reason({0: refused, 1: refused}, 4)
     assert reason is not None and "world size 4 needs 4" in reason and "SIGSEGV" in reason, reason
-    assert harness.gloo_skip_reason({0: refused, 1: "AssertionError: loss differs"}, 2) is None  # a real failure stays one
+    # a real failure stays one
+    assert harness.gloo_skip_reason({0: refused, 1: "AssertionError: loss differs"}, 2) is None
     assert harness.gloo_skip_reason({0: "worker process died (killed by signal SIGSEGV (exit code -11))"}, 2) is None
     assert harness.gloo_skip_reason({}, 2) is None
 
@@ -97,7 +98,8 @@ def test_a_missing_torch_feature_skips_naming_it_and_the_torch_that_has_it(monke
     assert torch_features.requires_torch_feature("dist.all_gather_single").args == (False,)
     monkeypatch.delattr(dist, "all_gather_single")  # as in torch 2.11
     reason = torch_features.missing_torch_features("dist.all_gather_single")
-    assert reason == f"torch {torch.__version__} lacks dist.all_gather_single (torch 2.13 has it): this test compares against it"
+    assert reason == (f"torch {torch.__version__} lacks dist.all_gather_single (torch 2.13 has it): this test compares "
+                      "against it")
     assert torch_features.requires_torch_feature("dist.all_gather_single").kwargs["reason"] == reason
     with pytest.raises(pytest.skip.Exception, match="lacks dist.all_gather_single"):
         torch_features.skip_without_torch_feature("dist.all_gather_single")
@@ -113,7 +115,8 @@ def test_trace_analysis_finds_streams_and_overlap(tmp_path: pathlib.Path) -> Non
     """The device-kernel path of the analysis, on a synthetic trace (times in us)."""
 
     def kernel(name: str, stream: int, ts: float, dur: float) -> dict[str, object]:
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream, "args": {"stream": stream}}
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream,
+                "args": {"stream": stream}}
 
     events = [kernel("ampere_bf16_gemm", 7, 0, 100), kernel("CatArrayBatchedCopy", 20, 40, 10),
               kernel("ncclDevKernel_AllGather_RING_LL", 20, 50, 30),

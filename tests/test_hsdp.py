@@ -226,8 +226,8 @@ def _groups_and_steps(n_layers: int, reshard: bool | int, use_torch: bool) -> di
 @pytest.mark.parametrize("n_layers", [8, 32])
 def test_reshard_to_2_ranks_makes_one_set_of_groups(n_layers: int) -> None:
     """Every call with the same mesh ranks and k shares one set of groups (torch: a set per call, an NCCL communicator
-    each); training is bitwise ``reshard_after_forward=True``'s: the backward all-gather within 2 ranks rebuilds the same
-    parameters, the reduce-scatter is the same."""
+    each); training is bitwise ``reshard_after_forward=True``'s: the backward all-gather within 2 ranks rebuilds the
+    same parameters, the reduce-scatter is the same."""
     ours = run_distributed(_groups_and_steps, 4, n_layers, 2, False)
     plain = run_distributed(_groups_and_steps, 4, n_layers, True, False)
     for rank, (a, b) in enumerate(zip(ours, plain)):

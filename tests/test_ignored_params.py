@@ -152,12 +152,14 @@ def case_ddp_around_sharded_modules(steps: int = 3) -> dict[str, float]:
             with implicit_replication():
                 opts[k].step()
             opts[k].zero_grad()
-        worst["torch"] = max(worst["torch"], close(losses["ours"], losses["torch"], 0.0, f"step {step}: loss vs torch FSDP2"))
+        worst["torch"] = max(worst["torch"],
+                             close(losses["ours"], losses["torch"], 0.0, f"step {step}: loss vs torch FSDP2"))
         worst["ref"] = max(worst["ref"], close(losses["ours"], losses["ref"], 1e-5, f"step {step}: loss vs DDP"))
     params = {k: dict(m.named_parameters()) for k, m in models.items()}
     for name, p in params["ours"].items():
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        worst["torch"] = max(worst["torch"], close(local(p), local(params["torch"][name]), 0.0, f"{name} vs torch FSDP2"))
+        worst["torch"] = max(worst["torch"],
+                             close(local(p), local(params["torch"][name]), 0.0, f"{name} vs torch FSDP2"))
         worst["ref"] = max(worst["ref"], close(full, params["ref"][name], 1e-5, f"{name} vs DDP"))
     assert type(params["ours"]["module.module_b.module_c.lin_c.weight"]) is nn.Parameter, "module_c was sharded"
     return worst
@@ -175,7 +177,8 @@ def case_nested_parameter_in_root_set_only() -> dict[str, str]:
             shard(block, mesh=mesh)
         shard(model, mesh=mesh, ignored_params={model.layers[0].ffn_norm.weight, model.logit_scale})
         _step(model, 0)
-        layouts[impl] = ", ".join(f"{n}: {type(p).__name__}" for n, p in model.named_parameters() if "norm" in n or "scale" in n)
+        layouts[impl] = ", ".join(f"{n}: {type(p).__name__}" for n, p in model.named_parameters() if "norm" in n
+                                  or "scale" in n)
     return layouts
 
 
@@ -222,11 +225,13 @@ def _all_cases() -> dict[str, Any]:
 
 
 def _check(results: dict[str, Any], what: str) -> None:
-    assert results["several_roots"] == [], f"{what}: several roots sharing one set differ from torch FSDP2 in {results['several_roots']}"
+    assert results["several_roots"] == [], (f"{what}: several roots sharing one set differ from torch FSDP2 in "
+                                            f"{results['several_roots']}")
     assert results["ddp"]["torch"] == 0.0, f"{what}: DDP around sharded modules vs torch FSDP2: {results['ddp']}"
     layouts = results["nested"]
     assert layouts["ours"] == layouts["torch"], f"{what}: (ours, torch FSDP2) {layouts}"
-    assert "layers.0.ffn_norm.weight: DTensor" in layouts["ours"] and "logit_scale: Parameter" in layouts["ours"], layouts
+    assert ("layers.0.ffn_norm.weight: DTensor" in layouts["ours"]
+            and "logit_scale: Parameter" in layouts["ours"]), layouts
     for kind, known_as in (("ema", "(held as 'norm.weight' in a dict)"), ("buffer", "(the buffer 'pos')")):
         torch_ran, message = results[kind]
         assert torch_ran, f"{what}: torch FSDP2 refused the {kind} tensor in ignored_params"

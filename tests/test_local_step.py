@@ -342,8 +342,10 @@ def _compiled(backend: str) -> list[str]:
             errors += _mismatches(compiled[0], compiled[1], model, opt, how)
         for (name, a), b in zip(eager[0].named_parameters(), model.parameters()):
             for what, x, y in [("weight", a, b), *((k, v, opt.state[b][k]) for k, v in eager[1].state[a].items())]:
-                if type(x) is not type(y) or not torch.allclose(_local(x.detach()), _local(y.detach()), **COMPILED_VS_EAGER):
-                    errors.append(f"{how} vs eager {name} {what}: {type(x).__name__} vs {type(y).__name__} or not close")
+                if type(x) is not type(y) or not torch.allclose(_local(x.detach()), _local(y.detach()),
+                                                                **COMPILED_VS_EAGER):
+                    errors.append(f"{how} vs eager {name} {what}: {type(x).__name__} vs {type(y).__name__} or not "
+                                  "close")
     torch._dynamo.reset()  # leave no compiled code (and the tensors its guards hold) in the reused workers
     return errors
 
@@ -387,7 +389,8 @@ def _refusals() -> list[str]:
     before = [p.detach().clone() for p in params]
     with pytest.raises(TypeError, match="local_step: FullTensorSGD.step uses 'full_tensor', which only DTensors have"):
         opt.step()
-    if [id(p) for p in opt.param_groups[0]["params"]] != [id(p) for p in params] or not all(p.grad is not None for p in params):
+    if ([id(p) for p in opt.param_groups[0]["params"]] != [id(p) for p in params]
+            or not all(p.grad is not None for p in params)):
         errors.append("after a failed step: param_groups or grads not restored")
     if not all(isinstance(p, DTensor) for p in params) or opt.state:
         errors.append("after a failed step: a parameter is not a DTensor")
@@ -398,7 +401,8 @@ def _refusals() -> list[str]:
     w = model.blocks[0][0].weight
     w.grad = DTensor.from_local(torch.zeros(w.shape), w.device_mesh, [Replicate()], run_check=False)
     where = r"param_groups\[0\]\['params'\]\[1\] \(shape \(5, 6\), placements \(Shard\(dim=0\),\)\)"
-    with pytest.raises(RuntimeError, match=rf"local_step: the gradient of {where} is \(Replicate\(\),\), laid out unlike"):
+    with pytest.raises(RuntimeError,
+                       match=rf"local_step: the gradient of {where} is \(Replicate\(\),\), laid out unlike"):
         fast.step()
     if fast.state or fast.param_groups[0]["params"][1] is not w or w._local_tensor.grad is not None:
         errors.append("after the refused step: the optimizer is not as before")

@@ -33,7 +33,8 @@ BF16_OUT_FP32 = dict(param_dtype=torch.bfloat16, output_dtype=torch.float32)
 def _shard(model: nn.Module, shard_fn, mesh, mp_policy=None, **kw) -> None:
     if mp_policy is not None:
         # output_dtype on the root only: a block returning fp32 would meet bf16 weights
-        block_policy = type(mp_policy)(mp_policy.param_dtype, mp_policy.reduce_dtype, None, mp_policy.cast_forward_inputs)
+        block_policy = type(mp_policy)(mp_policy.param_dtype, mp_policy.reduce_dtype, None,
+                                       mp_policy.cast_forward_inputs)
         kw_block, kw_root = dict(kw, mp_policy=block_policy), dict(kw, mp_policy=mp_policy)
     else:
         kw_block = kw_root = kw
@@ -69,7 +70,8 @@ def _mp_vs_torch(policy: dict, steps: int) -> None:
         torch.testing.assert_close(loss, tloss, rtol=0, atol=0)
     for (name, p), tp in zip(ours.named_parameters(), theirs.parameters()):
         # bitwise on any CPU: the same casts, flat layout, reductions and AdamW shard shapes as torch FSDP2
-        torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p.full_tensor(), tp.full_tensor(), rtol=0, atol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
         for key in ("exp_avg", "exp_avg_sq"):
             assert opt.state[p][key].dtype == torch.float32
 
@@ -166,7 +168,8 @@ def _accumulate_in_reduce_dtype() -> None:
                 assert all(g is not None and g.dtype == torch.float32 for g in kept), [g.dtype for g in kept]
     for (name, p), tp in zip(ours.named_parameters(), theirs.parameters()):
         # bitwise on any CPU: the same casts, flat layout and reduce-scatters as torch FSDP2, in one process
-        torch.testing.assert_close(p.grad.full_tensor(), tp.grad.full_tensor(), rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p.grad.full_tensor(), tp.grad.full_tensor(), rtol=0, atol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_gradient_accumulation_keeps_reduce_dtype() -> None:
@@ -299,7 +302,8 @@ def test_cpu_offload_after_meta_init_and_to_empty() -> None:
 def _offload_transfers(impl: str, pin_memory: bool) -> list[list[Transfer]]:
     mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
     model = Transformer()
-    shard_fn, policy_cls = (fully_shard, MixedPrecisionPolicy) if impl == "ours" else (torch_fully_shard, TorchMixedPrecisionPolicy)
+    shard_fn, policy_cls = ((fully_shard, MixedPrecisionPolicy) if impl == "ours"
+                            else (torch_fully_shard, TorchMixedPrecisionPolicy))
     offload = CPUOffloadPolicy(pin_memory) if impl == "ours" else TorchCPUOffloadPolicy(pin_memory)
     _shard(model, shard_fn, mesh, mp_policy=policy_cls(**BF16_FP32), offload_policy=offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

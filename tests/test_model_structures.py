@@ -20,12 +20,11 @@ Tolerances (fp32, gloo):
 * world size 2: bitwise (rtol=atol=0) against the reference and torch FSDP2 on any CPU:
   the average of two numbers does not depend on the order of the reduction, and the
   reference's AdamW steps the same dim-0 chunks the ranks hold (``tests.oracle``).
-* world size 4: bitwise against torch FSDP2 (the same flat layout and reduce-scatter in the
-  same process: the same gloo summation order by construction); against the all-reduce reference, which gloo sums in another order:
-  losses and gradients 1e-5, parameters after AdamW 1e-4 (``tests.oracle.REF_TOL``; Adam
-  divides by sqrt(v): a last-bit difference in a near-zero gradient moves a weight by up to
-  ~lr * 1e-3).
-  Measured: at most 2e-6 over every case (parameters of the tied model).
+* world size 4: bitwise against torch FSDP2 (the same flat layout and reduce-scatter in the same process: the same gloo
+  summation order by construction); against the all-reduce reference, which gloo sums in another order: losses and
+  gradients 1e-5, parameters after AdamW 1e-4 (``tests.oracle.REF_TOL``; Adam divides by sqrt(v): a last-bit difference
+  in a near-zero gradient moves a weight by up to ~lr * 1e-3). Measured: at most 2e-6 over every case (parameters of the
+  tied model).
 * init / load / state: bitwise at every world size (they copy, they never reduce).
 """
 
@@ -245,7 +244,8 @@ def _train(
     return worst, comms
 
 
-def _three(build: Callable[[], nn.Module], shard: Callable[[nn.Module, Callable[..., Any]], Any]) -> dict[str, nn.Module]:
+def _three(build: Callable[[], nn.Module],
+           shard: Callable[[nn.Module, Callable[..., Any]], Any]) -> dict[str, nn.Module]:
     """ref, and two deep copies, sharded by ours and by torch FSDP2 with ``shard(model, fully_shard)``."""
     torch.manual_seed(0)
     ref = build()
@@ -407,7 +407,8 @@ def case_tied(steps: int) -> dict[str, float]:
     worst, _ = _train("tied", models, steps)
     for impl in ("ours", "torch"):
         m = models[impl]
-        assert m.output.weight is m.tok_embeddings.weight, f"tied ({impl}): output.weight is no longer tok_embeddings.weight"
+        assert m.output.weight is m.tok_embeddings.weight, (f"tied ({impl}): output.weight is no longer "
+                                                            "tok_embeddings.weight")
         assert isinstance(m.output.weight, DTensor), f"tied ({impl}): {type(m.output.weight).__name__}"
         for i, block in enumerate(m.layers):
             ff = block.feed_forward
@@ -448,7 +449,8 @@ def case_frozen(steps: int) -> dict[str, float]:
     # backward reduces block 2, block 0 (trainable part only), the root; never block 1
     trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
     root_own = [p for n, p in ref.named_parameters() if not n.startswith("layers.")]
-    expected = sorted([_rs_numel(trainable(ref.layers[2]), ws), _rs_numel(trainable(ref.layers[0]), ws), _rs_numel(root_own, ws)])
+    expected = sorted([_rs_numel(trainable(ref.layers[2]), ws), _rs_numel(trainable(ref.layers[0]), ws),
+                       _rs_numel(root_own, ws)])
     assert _rs_numel(trainable(ref.layers[0]), ws) < _rs_numel(list(ref.layers[0].parameters()), ws)
     for step, (mine, torchs) in enumerate(zip(comms["ours"], comms["torch"])):
         numels = sorted(r.numel for r in _kinds(mine, "reduce_scatter"))
@@ -513,7 +515,8 @@ def case_buffers(steps: int) -> dict[str, float]:
         sd, ref_sd, torch_sd = ours.state_dict(), ref.state_dict(), theirs.state_dict()
         assert list(sd) == list(ref_sd) == list(torch_sd), f"buffers {when}: state-dict keys differ"
         for name in ("logit_bias", "layers.1.gain"):
-            assert type(sd[name]) is torch.Tensor, f"buffers {when}: state_dict()[{name!r}] is {type(sd[name]).__name__}"
+            assert type(sd[name]) is torch.Tensor, (f"buffers {when}: state_dict()[{name!r}] is "
+                                                    f"{type(sd[name]).__name__}")
             close(sd[name], ref_sd[name], 0.0, f"buffers {when}: state_dict()[{name!r}]")
             close(sd[name], torch_sd[name], 0.0, f"buffers {when}: state_dict()[{name!r}] vs torch FSDP2")
         assert "pos" not in sd, f"buffers {when}: the non-persistent pos buffer is in state_dict()"
@@ -582,7 +585,8 @@ def case_activation_checkpointing(steps: int, kinds: tuple[str, ...] = AC_KINDS)
         worst = {k: max(worst[k], w[k]) for k in worst}
         # recomputation ran: every feed-forward once in forward, once more in backward
         expected_calls = steps * n * (1 if kind == "none" else 2)
-        assert ff_calls[0] == expected_calls, f"AC ({kind}): {ff_calls[0]} feed-forward calls, expected {expected_calls}"
+        assert ff_calls[0] == expected_calls, (f"AC ({kind}): {ff_calls[0]} feed-forward calls, expected "
+                                               f"{expected_calls}")
         for step, (mine, torchs) in enumerate(zip(comms["ours"], comms["torch"])):
             ag, ag_torch = len(_kinds(mine, "all_gather")), len(_kinds(torchs, "all_gather"))
             # forward: the root and each block; backward: each block again (the root keeps

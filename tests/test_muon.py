@@ -148,7 +148,8 @@ def _rows_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
             chunk = math.ceil(n / world)
             start = min(mesh.get_local_rank(mesh_dim) * chunk, n)
             local = full[start : min(start + chunk, n)]
-    return DTensor.from_local(local.clone(), mesh, like.placements, run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(local.clone(), mesh, like.placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
 
 
 def _set_grads(model: nn.Module, ref: nn.Module, step: int) -> None:
@@ -172,7 +173,8 @@ def _diffs(model: nn.Module, ref: nn.Module, opt: torch.optim.Optimizer, ref_opt
             assert isinstance(buf, DTensor) == isinstance(p, DTensor), name
             if isinstance(p, DTensor):
                 assert buf.placements == p.placements, f"{name}: {buf.placements} vs {p.placements}"
-            ref_buf = ref_opt.momentum_buffer(rp) if isinstance(ref_opt, ShardwiseMuon) else ref_opt.state[rp]["momentum_buffer"]
+            ref_buf = (ref_opt.momentum_buffer(rp) if isinstance(ref_opt, ShardwiseMuon)
+                       else ref_opt.state[rp]["momentum_buffer"])
             out[name + ".momentum_buffer"] = (_full(buf) - ref_buf).abs().max().item()
     return out
 
@@ -208,7 +210,8 @@ def _parity(impl: str, mesh_kind: str, batched: bool, options: dict[str, Any], s
     }
 
 
-def _add_one_flip(flips: dict[str, float], before: dict[str, torch.Tensor], torch_ref: nn.Module, options: dict[str, Any]) -> None:
+def _add_one_flip(flips: dict[str, float], before: dict[str, torch.Tensor], torch_ref: nn.Module,
+                  options: dict[str, Any]) -> None:
     """Add to ``flips[name]`` how far one bf16 rounding step of this step's orthogonalized update
     moves the weight: the update's largest entry (recovered from torch's step: the weight after
     weight decay minus the new weight, over the adjusted learning rate) has a bf16 spacing of
@@ -231,12 +234,14 @@ def _add_one_flip(flips: dict[str, float], before: dict[str, torch.Tensor], torc
         (2, "torch", "fsdp", {}),
     ],
 )
-def test_muon_bitwise_equal_to_torch_muon_on_unsharded_model(world_size: int, impl: str, mesh_kind: str, options: dict) -> None:
+def test_muon_bitwise_equal_to_torch_muon_on_unsharded_model(world_size: int, impl: str, mesh_kind: str,
+                                                             options: dict) -> None:
     results = run_distributed(_parity, world_size, impl, mesh_kind, False, options)
     for rank, res in enumerate(results):
         # bitwise: torch's own addmm sequence on the same whole bf16 matrix on its owner, and
         # elementwise kernels that ignore an element's position (test_elementwise_kernels_ignore_position)
-        assert res["torch_diffs"] and all(v == 0.0 for v in res["torch_diffs"].values()), f"rank {rank}: {res['torch_diffs']}"
+        assert res["torch_diffs"] and all(v == 0.0 for v in res["torch_diffs"].values()), (f"rank {rank}: "
+                                                                                           f"{res['torch_diffs']}")
         # bitwise on any CPU: the same kernels at the same positions (module docstring)
         assert res["diffs"] and all(v == 0.0 for v in res["diffs"].values()), f"rank {rank}: {res['diffs']}"
         # one bucket (all matrices are sharded over one group): one all-to-all each way per step
@@ -447,7 +452,8 @@ def _muon_adamw_from_backward(impl: str) -> dict[str, Any]:
 def test_muon_adamw_after_real_backward_bitwise(impl: str) -> None:
     for rank, res in enumerate(run_distributed(_muon_adamw_from_backward, 2, impl)):
         assert res["split"] == {
-            True: ["blocks.0.0.weight", "blocks.0.2.weight", "blocks.1.0.weight", "blocks.1.2.weight", "squeeze.weight"],
+            True: ["blocks.0.0.weight", "blocks.0.2.weight", "blocks.1.0.weight", "blocks.1.2.weight",
+                   "squeeze.weight"],
             False: ["embed.weight", "squeeze.bias", "output.weight"],
         }, res["split"]
         # bitwise on any CPU: both oracles step in the ranks' layout (module docstring)
@@ -536,7 +542,8 @@ def test_bytes_of_all_ranks_sum_to_analytic_when_rows_divide() -> None:
     from support.llama import LLAMA32_3B, Llama
 
     with torch.device("meta"):
-        shapes = [tuple(p.shape) for n, p in Llama(LLAMA32_3B).named_parameters() if n.startswith("layers.") and p.ndim == 2]
+        shapes = [tuple(p.shape) for n, p in Llama(LLAMA32_3B).named_parameters() if n.startswith("layers.")
+                  and p.ndim == 2]
     matrix_bytes = sum(m * n for m, n in shapes) * 2  # bf16
     for world in (64, 1024):
         assert all(m % world == 0 for m, _ in shapes), world

@@ -65,7 +65,8 @@ def _one_rank(case: str) -> list[str]:
             ref(x).sum().backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             if not isinstance(p.grad, DTensor) or p.grad.placements != p.placements:
-                problems.append(f"step {step}: {name}.grad is {type(p.grad).__name__}, not a DTensor like its parameter")
+                problems.append(f"step {step}: {name}.grad is {type(p.grad).__name__}, not a DTensor like its "
+                                "parameter")
                 continue
             expected = local(q.grad) * 0.5 if case == "divide_factor" else local(q.grad)  # halving is exact
             if not torch.equal(p.grad.full_tensor(), expected):

@@ -73,7 +73,8 @@ def _record(log: list[tuple[Any, ...]], name: str, expected: nn.Parameter, when:
     assert param is expected, f"{name}: the hook got another tensor than the parameter it was registered on"
     g = param.grad
     assert isinstance(g, DTensor), f"{name}: the hook saw a {type(g).__name__} gradient"
-    # what every sharded gradient holds at this moment: torch sets one parameter's gradient, runs its hooks, then the next
+    # what every sharded gradient holds at this moment: torch sets one parameter's gradient, runs its hooks, then the
+    # next
     others = tuple(None if q.grad is None else q.grad.to_local().sum().item() for q in sharded)
     log.append((name, when[0], g.dtype, g.device.type, g.placements, others, g.to_local().clone()))
 
@@ -117,7 +118,8 @@ def _hooks_like_torch(case: str) -> dict[str, Any]:
         "hooks differ from torch's FSDP2 (name, (step, micro-batch), grad dtype, device, placements):\n"
         f"ours:  {[e[:5] for e in ours]}\ntorch: {[e[:5] for e in theirs]}")
     for a, b in zip(ours, theirs):
-        assert a[5] == b[5], f"{case}: when the hook of {a[0]} ran at {a[1]}, the gradients (sums) were {a[5]}, torch's {b[5]}"
+        assert a[5] == b[5], (f"{case}: when the hook of {a[0]} ran at {a[1]}, the gradients (sums) were {a[5]}, "
+                              f"torch's {b[5]}")
         close(a[6], b[6], 0.0, f"{case}: the gradient the hook of {a[0]} saw at {a[1]}, vs torch FSDP2's")  # bitwise
     # each step: every parameter's hooks once, in its last micro-batch (in each one when each one is reduced)
     names = [n for n, _ in models["ours"].named_parameters()]
@@ -125,10 +127,12 @@ def _hooks_like_torch(case: str) -> dict[str, Any]:
     assert sorted((e[1], e[0]) for e in ours) == sorted((w, n) for w in fire_at for n in names), [e[:2] for e in ours]
     worst = 0.0
     if not case.startswith("mp"):  # bf16 compute: torch FSDP2 is the oracle there
-        tol = REF_TOL["grad"] if skip == "last" else ref_tol("grad")  # "last": a sum of averages, not an average of sums
+        # "last": a sum of averages, not an average of sums
+        tol = REF_TOL["grad"] if skip == "last" else ref_tol("grad")
         final = {(e[1][0], e[0]): e[6] for e in ours}  # the last gradient each hook saw in each step
         for (step, name), g in final.items():
-            worst = max(worst, close(g, ref_grads[step][name], tol, f"{case}: hook of {name} in step {step} vs reference"))
+            worst = max(worst,
+                        close(g, ref_grads[step][name], tol, f"{case}: hook of {name} in step {step} vs reference"))
     return {"order": [e[0] for e in ours], "names": names, "dtypes": sorted({str(e[2]) for e in ours}),
             "devices": sorted({e[3] for e in ours}), "worst_vs_ref": worst}
 
@@ -152,7 +156,8 @@ def _in_backward_vs_step(opt_name: str, hsdp: bool, micro: int, local: bool) -> 
     make, kw = {"adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
                 "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9))}[opt_name]
     ref = Transformer()
-    models = {"step": _shard(copy.deepcopy(ref), True, device_mesh), "ours": _shard(copy.deepcopy(ref), True, device_mesh),
+    models = {"step": _shard(copy.deepcopy(ref), True, device_mesh),
+              "ours": _shard(copy.deepcopy(ref), True, device_mesh),
               "torch": _shard(copy.deepcopy(ref), False, device_mesh)}
     step_opt = make(models["step"].parameters(), **kw)  # the usual step, on the DTensors
     factory: Any = (lambda ps, **k: local_step(make(ps, **k))) if local else make
@@ -231,7 +236,8 @@ def test_in_backward_on_a_plain_model_and_its_errors() -> None:
     gc.collect()
     assert alive() is None, "the model outlived in_backward's remove()"
     frozen = nn.Linear(2, 2).requires_grad_(False)
-    with pytest.raises(ValueError, match=r"in_backward: the module Linear has no parameter that requires grad \(2 parameters"):
+    with pytest.raises(ValueError,
+                       match=r"in_backward: the module Linear has no parameter that requires grad \(2 parameters"):
         in_backward(frozen, torch.optim.SGD, lr=0.1)
     with pytest.raises(TypeError, match=r"optimizer\(\[param\]\) must return a torch.optim.Optimizer, got list"):
         in_backward(nn.Linear(2, 2), lambda ps, **kw: ps)

@@ -97,7 +97,8 @@ def _two_forwards_then_two_backwards() -> None:
     fully_shard(model)
     rank, world = dist.get_rank(), dist.get_world_size()
     xs = [
-        [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * r + i), device="cpu").to(device()) for i in range(2)]
+        [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * r + i), device="cpu").to(device())
+         for i in range(2)]
         for r in range(world)
     ]
     # the pipelining order F0 F1 B0 B1, on inputs that need no gradient: the group's
@@ -107,7 +108,8 @@ def _two_forwards_then_two_backwards() -> None:
         out.pow(2).sum().backward()
     sum(ref(x).pow(2).sum() for r in range(world) for x in xs[r]).div(world).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-6, msg=name)  # sums in another order
+        # sums in another order
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_several_forwards_before_their_backwards_reduce_every_gradient() -> None:

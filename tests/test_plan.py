@@ -118,7 +118,8 @@ def _streams(model: nn.Module) -> None:
 
 
 _GRID = {
-    **{f"max-inputs-{k}": _Config((2, 4), settings=lambda m, k=k: m.set_reduce_scatter_max_input_buffers(k)) for k in (1, 2, 3)},
+    **{f"max-inputs-{k}": _Config((2, 4), settings=lambda m, k=k: m.set_reduce_scatter_max_input_buffers(k))
+       for k in (1, 2, 3)},
     "bf16-fp32": _Config((2, 4), options={"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)}),
     "no-reshard": _Config((2, 4), options={"reshard_after_forward": False}),
     "reshard-int": _Config((2, 4), options={"reshard_after_forward": 2}),  # at 2 ranks: the whole shard dim, as True
@@ -199,9 +200,10 @@ def test_planned_peak_matches_measured_step(world: int) -> None:
             planned = plan(functools.partial(_model, config), shape, shard_fn=functools.partial(_shard_config, config),
                            rank=rank, **{"device_type": device_type(), **_GRID[config].plan})
             error = planned.peak_bytes / measured["model_state"] - 1
-            print(f"[{config}, {world} ranks] rank {rank}: planned {planned.peak_bytes:,} B at {planned.peak_at}; measured "
-                  f"{measured['model_state']:,} B ({error:+.3%}) at {measured['at_model_state_peak']['phase']}; "
-                  f"activations then {measured['at_model_state_peak']['activations']:,} B")
+            print(f"[{config}, {world} ranks] rank {rank}: planned {planned.peak_bytes:,} B at {planned.peak_at}; "
+                  f"measured {measured['model_state']:,} B ({error:+.3%}) at "
+                  f"{measured['at_model_state_peak']['phase']}; activations then "
+                  f"{measured['at_model_state_peak']['activations']:,} B")
             errors.append((abs(error), config, rank))
             assert measured["activations"] < 0.05 * measured["total"], measured  # parameters dominate here
     assert max(errors)[0] <= 0.01, max(errors)
@@ -251,9 +253,11 @@ def test_plan_lays_out_torch_chunks_at_64_ranks() -> None:
     the groups of the root and of each block."""
     for rank in (0, 63):
         p = plan("llama3-8b", 64, rank=rank)
-        assert p.sharded_param_bytes == 4 * sum(_chunk_numel(s, 64, rank) * c for s, c in _llama_shapes(4096, 14336, 1024, 32))
+        assert p.sharded_param_bytes == 4 * sum(_chunk_numel(s, 64, rank) * c
+                                                for s, c in _llama_shapes(4096, 14336, 1024, 32))
     assert [(g.name, g.tensors) for g in p.groups] == [("(root)", 3)] + [(f"model.layers.{i}", 9) for i in range(32)]
-    assert plan(_small, 64, rank=63).sharded_param_bytes == 4 * sum(_chunk_numel(p.shape, 64, 63) for p in _small().parameters())
+    assert plan(_small, 64, rank=63).sharded_param_bytes == 4 * sum(_chunk_numel(p.shape, 64, 63)
+                                                                    for p in _small().parameters())
 
 
 # ---------------------------------------------------------------------------
@@ -309,8 +313,9 @@ def test_import_fully_shard_loads_no_planner() -> None:
     """The tools are loaded when used: ``import fully_shard`` loads no planner module (nor any other tool), and
     ``fully_shard.plan`` is then the planner function itself. Importing ``fully_shard.plan`` as a module (it only runs
     the command line) is refused, since it would hide the function."""
-    code = ("import sys, fully_shard; print(sorted(m for m in sys.modules if m.startswith('fully_shard.tools'))); "
-            "plan = fully_shard.plan; print(type(plan).__name__, plan.__module__, 'fully_shard.tools.planner' in sys.modules)")
+    code = ("import sys, fully_shard; print(sorted(m for m in sys.modules if m.startswith('fully_shard.tools'))); plan "
+            "= fully_shard.plan; print(type(plan).__name__, plan.__module__, 'fully_shard.tools.planner' in "
+            "sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": ROOT, "FULLY_SHARD_DEBUG": "0"})
     assert proc.returncode == 0, proc.stderr
@@ -334,7 +339,8 @@ def test_cli_bad_flag_exits_2_as_a_process() -> None:
 
 
 def test_plan_405b_at_1024_ranks() -> None:
-    p = plan("llama3-405b", 1024, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    p = plan("llama3-405b", 1024,
+             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     assert p.num_params == 405_853_388_800 and len(p.groups) == 127  # the published count; 126 blocks + root
     # rank 0 of 1024 holds torch.chunk's first piece of every parameter (fp32)
     assert p.sharded_param_bytes == 4 * sum(
@@ -368,7 +374,8 @@ def test_plan_accepts_models_and_checks_arguments() -> None:
         "(root)", "layers.0.feed_forward", "layers.1.feed_forward", "layers.2.feed_forward"]
     assert len(plan(_small, 2, wrap=lambda m: isinstance(m, Block)).groups) == 4
     # the caller's model is planned on a copy: left unsharded, and wrap may name its modules
-    assert [g.name for g in plan(model, 2, wrap=lambda m: m is model.tok_embeddings).groups] == ["(root)", "tok_embeddings"]
+    assert ([g.name for g in plan(model, 2, wrap=lambda m: m is model.tok_embeddings).groups]
+            == ["(root)", "tok_embeddings"])
     assert type(model) is Transformer and all(type(p) is nn.Parameter and p.is_meta for p in model.parameters())
     with pytest.raises(ValueError, match="shard_fn shards the model itself"):
         plan(_small, 2, shard_fn=lambda m, mesh: None, wrap={FeedForward})

@@ -132,16 +132,19 @@ def _reduce_scatter_cases() -> dict[str, float]:
                         exact = exact / 4.0
                     rows = [_inputs(j, world, n, dtype).view(world, n)[rank].cpu().float() for j in range(world)]
                     amax = torch.zeros(n)
-                    quant = torch.ones(n, dtype=torch.bool) if lay is None else torch.tensor([True] * 15 + [False] * 9 + [True] * 21)
+                    quant = (torch.ones(n, dtype=torch.bool) if lay is None
+                             else torch.tensor([True] * 15 + [False] * 9 + [True] * 21))
                     for row in rows:  # each rank quantized its quantized elements in blocks of 6
                         amax[quant] += blocks.block_amax(row[quant].view(1, -1), 6)[0]
                     abs_sum = sum(row.abs() for row in rows)
-                    bound = (blocks.reduce_bound(amax, bits, dtype, world, divisor) + blocks.exact_error(abs_sum, dtype, world, divisor))
+                    bound = (blocks.reduce_bound(amax, bits, dtype, world, divisor)
+                             + blocks.exact_error(abs_sum, dtype, world, divisor))
                     err = (out.cpu().double() - exact.cpu().double()).abs()
                     case = f"{dtype_name} int{bits} {'layout' if lay else 'all'} {kind}"
                     assert (err <= bound).all(), f"{case}: max error/bound {(err / bound).max():.4f}"
                     if lay is not None:  # the exact parameter: only rounding, no quantization step
-                        assert (err[~quant] <= 2 * blocks.exact_error(abs_sum, dtype, world, divisor)[~quant]).all(), case
+                        assert (err[~quant]
+                                <= 2 * blocks.exact_error(abs_sum, dtype, world, divisor)[~quant]).all(), case
                     worst[case] = (err[quant] / bound[quant]).max().item()
     return worst
 
@@ -186,7 +189,8 @@ def test_hsdp_two_level_reduction_within_its_bound(bits: int) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _train_both(shape: tuple[int, ...], weights: str, grads: str, replicate: bool, reshard: bool | int) -> dict[str, Any]:
+def _train_both(shape: tuple[int, ...], weights: str, grads: str, replicate: bool,
+                reshard: bool | int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from fully_shard import fully_shard
@@ -210,7 +214,8 @@ def _train_both(shape: tuple[int, ...], weights: str, grads: str, replicate: boo
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        records = [r for c in report.values() for comm in (c.all_gather, c.reduce_scatter) if comm for r in comm.errors or []]
+        records = [r for c in report.values() for comm in (c.all_gather, c.reduce_scatter) if comm for r in comm.errors
+                   or []]
         runs.append({"losses": losses, "params": [p.full_tensor() for p in model.parameters()],
                      "report": {k: str(v) for k, v in report.items()},
                      "ratio": {k: max(r.max_ratio for r in records if r.kind == k) for k in {r.kind for r in records}}})
@@ -227,7 +232,8 @@ def _train_both(shape: tuple[int, ...], weights: str, grads: str, replicate: boo
 def test_same_comm_objects_on_torch_fsdp2_give_the_same_bits(case: tuple[Any, ...]) -> None:
     shape = case[0]
     r = run_distributed(_train_both, math.prod(shape), *case)[0]
-    assert r["report"]["layers.0"] == f"weights {case[1]}, grads {case[2]} (exact: attention_norm.weight, ffn_norm.weight)"
+    assert (r["report"]["layers.0"]
+            == f"weights {case[1]}, grads {case[2]} (exact: attention_norm.weight, ffn_norm.weight)")
     assert r["report"][""] == f"weights {case[1]}, grads {case[2]} (exact: tok_embeddings.weight, norm.weight)"
     for ratios in (r["ratio"], r["torch_ratio"]):
         assert set(ratios) == {"all_gather", "reduce_scatter"}

@@ -42,7 +42,8 @@ def _torchtitan_losses(steps: int, kwargs: dict[str, Any]) -> dict[str, Any]:
         recipe = load_recipe(impl)
         # the one line that differs, and nothing else
         assert recipe.fully_shard.__module__.startswith("torch.distributed.fsdp" if impl == "torch" else "fully_shard")
-        out[impl] = recipe.train(steps, **{k: getattr(torch, v) if k.endswith("dtype") else v for k, v in kwargs.items()})
+        out[impl] = recipe.train(steps,
+                                 **{k: getattr(torch, v) if k.endswith("dtype") else v for k, v in kwargs.items()})
     out["imports"] = IMPORTS
     return out
 
@@ -61,7 +62,8 @@ def _torchtitan_losses(steps: int, kwargs: dict[str, Any]) -> dict[str, Any]:
 def test_torchtitan_parallelize_same_losses_as_torch(kwargs: dict[str, Any]) -> None:
     results = run_distributed(_torchtitan_losses, 2, 4, kwargs, timeout=240)
     for rank, out in enumerate(results):
-        assert out["torch"] == out["fully_shard"], f"rank {rank}: torch {out['torch']} vs fully_shard {out['fully_shard']}"
+        assert out["torch"] == out["fully_shard"], (f"rank {rank}: torch {out['torch']} vs fully_shard "
+                                                    f"{out['fully_shard']}")
         assert len(out["torch"]) == 4
     assert results[0]["torch"][-1] < results[0]["torch"][0]  # it trains
     # the two import lines name the same three things
@@ -100,7 +102,8 @@ def test_hf_llama_recipe_loads_finetunes_and_exports(tmp_path: Any) -> None:
     assert os.path.isfile(os.path.join(r0["checkpoint"], ".metadata"))  # a complete DCP checkpoint
     assert sorted(os.listdir(r0["export_dir"])) == ["config.json", "model.safetensors"]
     assert r0["exported_keys"] == r0["model_keys"]  # every weight, under Hugging Face's names
-    assert r0["logits_equal"], f"from_pretrained logits differ from the sharded model's: max |diff| {r0['max_abs_diff']}"
+    assert r0["logits_equal"], ("from_pretrained logits differ from the sharded model's: max |diff| "
+                                f"{r0['max_abs_diff']}")
 
 
 # ---------------------------------------------------------------------------
@@ -111,7 +114,8 @@ TINY = ["--device", "cpu", "--nproc", "2", "--n-layers", "2", "--dim", "32", "--
         "--batch-size", "2", "--log-every", "1", "--exact-loss", "--vocab-size", "300", "--eval-every", "3"]
 
 
-def _train(args: list[str], timeout: float = 150, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _train(args: list[str], timeout: float = 150,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run examples/train.py; on timeout kill its whole process group (workers included)."""
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
@@ -122,7 +126,8 @@ def _train(args: list[str], timeout: float = 150, env: dict[str, str] | None = N
     except subprocess.TimeoutExpired as timed_out:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"examples/train.py {' '.join(args)} timed out after {timeout} s\n{out}\n{err}") from timed_out
+        raise AssertionError(f"examples/train.py {' '.join(args)} timed out after {timeout} s\n{out}\n"
+                             f"{err}") from timed_out
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert result.returncode == 0, f"{' '.join(args)}\nstdout:\n{out}\nstderr:\n{err}"
     return result

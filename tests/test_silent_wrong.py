@@ -152,7 +152,8 @@ def _mismatches(ours: nn.Module, ref: nn.Module, what: str) -> list[str]:
     for (name, p), p_ref in zip(ours.named_parameters(), ref.parameters()):
         for kind, a, b in (("param", p, p_ref), ("grad", p.grad, p_ref.grad)):
             if (a is None) != (b is None):
-                out.append(f"{what}: {kind} of {name}: ours {'None' if a is None else 'set'}, oracle {'None' if b is None else 'set'}")
+                out.append(f"{what}: {kind} of {name}: ours {'None' if a is None else 'set'}, oracle "
+                           f"{'None' if b is None else 'set'}")
                 continue
             if a is None:
                 continue
@@ -198,7 +199,8 @@ def test_backward_pattern_matches_unsharded(name: str) -> None:
 # Property test: random mixes of the supported calls against the oracle
 # ---------------------------------------------------------------------------
 
-FREEZABLE = ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.2.feed_forward.w2.weight", "norm.weight", "logit_scale")
+FREEZABLE = ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.2.feed_forward.w2.weight", "norm.weight",
+             "logit_scale")
 CI_DRAWS = 200  # FULLY_SHARD_PROPERTY_DRAWS=N runs N instead
 REGRESSION_SEEDS: list[int] = []  # seeds that once failed: always run
 
@@ -286,7 +288,8 @@ def _catching(case: Callable[..., Any], *args: Any) -> tuple[str, str] | None:
     return None
 
 
-def _expect_error(case: Callable[..., Any], exc_type: type[BaseException], *fragments: str, world_size: int = 2) -> None:
+def _expect_error(case: Callable[..., Any], exc_type: type[BaseException], *fragments: str,
+                  world_size: int = 2) -> None:
     for rank, res in enumerate(run_distributed(_catching, world_size, case)):
         assert res is not None, f"rank {rank}: {case.__name__} raised nothing; expected {exc_type.__name__}"
         name, msg = res
@@ -386,11 +389,13 @@ def test_forgotten_root_remedy_ignored_params() -> None:
 
 
 def test_parameter_tied_after_sharding_raises_naming_both() -> None:
-    _expect_error(_case_tied_after_sharding, RuntimeError, "'output.weight'", "'tok_embeddings.weight'", "before calling fully_shard")
+    _expect_error(_case_tied_after_sharding, RuntimeError, "'output.weight'", "'tok_embeddings.weight'",
+                  "before calling fully_shard")
 
 
 def test_parameter_replaced_after_sharding_raises_naming_it() -> None:
-    _expect_error(_case_block_param_replaced, RuntimeError, "'layers.1.feed_forward.w2.weight'", "not a parameter of the model")
+    _expect_error(_case_block_param_replaced, RuntimeError, "'layers.1.feed_forward.w2.weight'",
+                  "not a parameter of the model")
 
 
 def test_autograd_grad_wrt_sharded_parameters_raises() -> None:
@@ -419,7 +424,8 @@ def test_autograd_grad_wrt_sharded_parameters_remedy() -> None:
         ({"cast_forward_inputs": "no"}, TypeError, "cast_forward_inputs must be a bool, got str 'no'"),
     ],
 )
-def test_mixed_precision_policy_fields_validated(kwargs: dict[str, Any], exc_type: type[Exception], fragment: str) -> None:
+def test_mixed_precision_policy_fields_validated(kwargs: dict[str, Any], exc_type: type[Exception],
+                                                 fragment: str) -> None:
     from fully_shard import MixedPrecisionPolicy
 
     with pytest.raises(exc_type) as info:
@@ -456,7 +462,8 @@ class _FailedWork:
         raise RuntimeError("Connection closed by peer")
 
 
-def test_failed_collective_prints_the_debug_hint_once(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_collective_prints_the_debug_hint_once(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from fully_shard import comm
 
     monkeypatch.setattr(comm.monitor, "hint_printed", False)
@@ -489,7 +496,8 @@ def test_troubleshooting_lists_every_error() -> None:
                 continue
             arg = node.exc.args[0]
             parts = [arg] if isinstance(arg, ast.Constant) else getattr(arg, "values", [])
-            frags = [re.sub(r"^\w+: ", "", p.value.strip()) for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str)]
+            frags = [re.sub(r"^\w+: ", "", p.value.strip()) for p in parts if isinstance(p, ast.Constant)
+                     and isinstance(p.value, str)]
             keys = [" ".join(f.split()[:3]).rstrip(":,.") for f in frags if f]
             if not any(k and k in doc for k in keys):
                 missing.append(f"{path.relative_to(root)}:{node.lineno} {keys[:2]}")

@@ -77,7 +77,8 @@ class HalfGather(torch.Tensor):
             return pytree.tree_map_only(torch.Tensor, cls, out)
         return out
 
-    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any) -> Any:
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module,
+                            mp_policy: Any) -> Any:
         HalfGather.calls["pre"] += 1
         HalfGather.meshes.add(str(mesh.mesh.tolist()))
         dtype = mp_policy.param_dtype or self.dtype
@@ -85,7 +86,8 @@ class HalfGather(torch.Tensor):
         return (self._t.to(dtype),), ("meta", dtype)
 
     def fsdp_post_all_gather(
-        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *, out: torch.Tensor | None = None
+        self, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype, *,
+        out: torch.Tensor | None = None
     ) -> Any:
         assert metadata[0] == "meta" and param_dtype == metadata[1], (metadata, param_dtype)
         (data,) = outputs
@@ -143,7 +145,8 @@ def _train(use_torch: bool, bf16: bool, tp: bool = False, shard_dim: int = 0) ->
         losses.append(loss.item())
     return {
         "losses": losses,
-        "params": [p.full_tensor() if not isinstance(p._local_tensor, HalfGather) else _full(p) for p in model.parameters()],
+        "params": [p.full_tensor() if not isinstance(p._local_tensor, HalfGather) else _full(p)
+                   for p in model.parameters()],
         "placements": [str(p.placements) for p in model.parameters()],
         "local_types": local_types,
         "calls": dict(HalfGather.calls),
@@ -155,7 +158,8 @@ def _train(use_torch: bool, bf16: bool, tp: bool = False, shard_dim: int = 0) ->
 def _full(p: DTensor) -> torch.Tensor:
     """The full fp32 value of a HalfGather DTensor parameter (its local values, redistributed
     by DTensor as a plain tensor)."""
-    return DTensor.from_local(p._local_tensor._t.contiguous(), p.device_mesh, p.placements, run_check=False).full_tensor()
+    return DTensor.from_local(p._local_tensor._t.contiguous(), p.device_mesh, p.placements,
+                              run_check=False).full_tensor()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -166,12 +170,14 @@ def test_own_subclass_matches_torch_fsdp2(bf16: bool, world_size: int) -> None:
     assert len(ours) == len(theirs) == world_size
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         # the sharded weights stay HalfGather (never silently plain)
-        assert a["local_types"] == b["local_types"] == ["HalfGather", "Tensor", "HalfGather", "Tensor"], a["local_types"]
+        assert a["local_types"] == b["local_types"] == ["HalfGather", "Tensor", "HalfGather",
+                                                        "Tensor"], a["local_types"]
         # 2 weights x 3 steps x (forward + backward) all-gathers; the first of each builds the
         # unsharded parameter, every later one refills it through out=
         assert a["calls"] == b["calls"] == {"pre": 12, "post": 12, "post_out": 10}, (a["calls"], b["calls"])
         assert a["dtypes"] == [("torch.bfloat16" if bf16 else "torch.float32")], a["dtypes"]
-        assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"  # bitwise: see docstring
+        # bitwise: see docstring
+        assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
         assert a["placements"] == b["placements"], (a["placements"], b["placements"])
         for p, q in zip(a["params"], b["params"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
@@ -187,12 +193,14 @@ def test_own_subclass_with_tp_or_shard_1_matches_torch_fsdp2(world_size: int, tp
     ours = run_distributed(_train, world_size, False, True, tp, shard_dim)
     theirs = run_distributed(_train, world_size, True, True, tp, shard_dim)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
-        assert a["local_types"] == b["local_types"] == ["HalfGather", "Tensor", "HalfGather", "Tensor"], a["local_types"]
+        assert a["local_types"] == b["local_types"] == ["HalfGather", "Tensor", "HalfGather",
+                                                        "Tensor"], a["local_types"]
         assert a["calls"] == b["calls"] == {"pre": 12, "post": 12, "post_out": 10}, (a["calls"], b["calls"])
         assert a["dtypes"] == ["torch.bfloat16"], a["dtypes"]
         assert a["placements"] == b["placements"], (a["placements"], b["placements"])
         assert a["meshes"] == b["meshes"] and len(a["meshes"]) == 1, (a["meshes"], b["meshes"])  # the dp mesh
-        assert f"Shard(dim={shard_dim})" in a["placements"][0] and ("Shard(dim=1)" in a["placements"][2]) == (tp or shard_dim == 1)
+        assert (f"Shard(dim={shard_dim})" in a["placements"][0]
+                and ("Shard(dim=1)" in a["placements"][2]) == (tp or shard_dim == 1))
         assert a["losses"] == b["losses"], f"rank {rank}: {a['losses']} != torch's {b['losses']}"
         for p, q in zip(a["params"], b["params"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
@@ -218,13 +226,15 @@ def _patched_mid_training() -> dict[str, Any]:
         for p in model.parameters():
             local = p._local_tensor
             if hooked and not hasattr(local, "fsdp_pre_all_gather"):
-                local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _bf16_pre.__get__(local), _bf16_post.__get__(local)
+                local.fsdp_pre_all_gather, local.fsdp_post_all_gather = (_bf16_pre.__get__(local),
+                                                                         _bf16_post.__get__(local))
             elif not hooked and hasattr(local, "fsdp_pre_all_gather"):
                 del local.fsdp_pre_all_gather, local.fsdp_post_all_gather
         for mlp in ref:
             mlp.round_to = torch.bfloat16 if hooked else None
         _SEEN.update(pre=0)
-        xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device()) for r in range(world)]
+        xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device())
+              for r in range(world)]
         model(xs[rank]).sum().backward()
         (sum(ref(x).sum() for x in xs) / world).backward()
         for o in (opt, ref_opt):
@@ -300,7 +310,8 @@ def test_subclass_without_hooks_and_half_hooks_are_refused_at_the_all_gather() -
         msg = r["opaque"]
         assert "'weight'" in msg and "_Opaque" in msg and "plain tensor" in msg and "param._local_tensor" in msg, msg
         assert r["torch_opaque_unsharded"] == "Parameter", r  # what torch's FSDP2 does: a plain tensor, silently
-        assert "'weight'" in r["one_hook"] and "has fsdp_pre_all_gather but not fsdp_post_all_gather" in r["one_hook"], r
+        assert ("'weight'" in r["one_hook"]
+                and "has fsdp_pre_all_gather but not fsdp_post_all_gather" in r["one_hook"]), r
         assert "'0.weight'" in r["int_reshard"] and "reshard_after_forward=<int>" in r["int_reshard"], r
 
 
@@ -319,7 +330,8 @@ def _spmd(case: str, use_torch: bool) -> dict[str, Any]:
     mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
     model = SpmdMLP(mesh, tp)
     for name, p in list(model.named_parameters()):
-        setattr(model, name, nn.Parameter(DTensor.from_local(HalfGather(p._local_tensor.clone()), mesh, p.placements, run_check=False)))
+        setattr(model, name, nn.Parameter(DTensor.from_local(HalfGather(p._local_tensor.clone()), mesh, p.placements,
+                                                             run_check=False)))
         getattr(model, name)._spec = dataclasses.replace(p._spec, mesh=mesh)  # `mesh` itself: see test_drop_in's _spmd
     HalfGather.calls.update(pre=0, post=0, post_out=0)
     HalfGather.meshes.clear()
@@ -328,7 +340,8 @@ def _spmd(case: str, use_torch: bool) -> dict[str, Any]:
     losses = []
     for step in range(2):
         x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step), device="cpu").to(device())
-        loss = model(distribute_tensor(x, mesh, [Replicate() if n == tp else Shard(0) for n in names])).pow(2).sum().full_tensor()
+        loss = model(distribute_tensor(x, mesh, [Replicate() if n == tp else Shard(0)
+                                                 for n in names])).pow(2).sum().full_tensor()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -376,7 +389,8 @@ class _MLP(nn.Module):
 
     def _linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         w = lin.weight
-        if self.round_to is not None:  # exactly the rounded weight (Sterbenz: r - w is exact), gradient straight through
+        # exactly the rounded weight (Sterbenz: r - w is exact), gradient straight through
+        if self.round_to is not None:
             w = w + (w.to(self.round_to).to(w.dtype) - w).detach()
         if self.compute_in is not None:
             w, x = w.to(self.compute_in), x.to(self.compute_in)
@@ -388,7 +402,8 @@ def _record(mesh: Any) -> None:
     _SEEN["meshes"].add(tuple(mesh.mesh.tolist()))
 
 
-def _bf16_pre(self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any) -> Any:
+def _bf16_pre(self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module,
+              mp_policy: Any) -> Any:
     """torch's monkey-patched pair: send the shard in bf16, ..."""
     _record(mesh)
     return (self.to(torch.bfloat16),), None
@@ -407,7 +422,8 @@ def _bf16_post(self: torch.Tensor, outputs: Any, metadata: Any, param_dtype: tor
     return up, (t, up)
 
 
-def _self_pre(self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module, mp_policy: Any) -> Any:
+def _self_pre(self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: nn.Module,
+              mp_policy: Any) -> Any:
     """torch's HSDP pair: gather the local tensor itself (a TwoTensor: copied in as a plain tensor) ..."""
     _record(mesh)
     return (self,), None
@@ -445,7 +461,8 @@ def _two_post(self: Any, outputs: Any, metadata: Any, param_dtype: torch.dtype, 
     return None
 
 
-_HOOKS = {"bf16": (_bf16_pre, _bf16_post), "self": (_self_pre, _self_post), "v1": (_two_pre_v1, _two_post), "v2": (_two_pre_v2, _two_post)}
+_HOOKS = {"bf16": (_bf16_pre, _bf16_post), "self": (_self_pre, _self_post), "v1": (_two_pre_v1, _two_post),
+          "v2": (_two_pre_v2, _two_post)}
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -505,14 +522,16 @@ def _local_hooks(weights: str, hooks: str, where: str, meta: bool, hsdp: bool, m
         types = [type(p._local_tensor).__name__ for p in model.parameters()] if not ref else []
         losses = []
         for step in range(3):
-            xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device()) for r in range(world)]
+            xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + r)).to(device())
+                  for r in range(world)]
             each = [model(x).sum() for x in xs] if ref else [model(xs[rank]).sum()]  # the reference: every rank's batch
             (sum(each) / len(each)).backward()
             opt.step()
             opt.zero_grad()
             losses.append(_plain(each[rank if ref else 0].detach()).item())
         params = [_plain(p.detach()) if ref else _plain(p._local_tensor).clone() for p in model.parameters()]
-        return {"losses": losses, "params": params, "types": types, "pre": _SEEN["pre"], "meshes": sorted(_SEEN["meshes"])}
+        return {"losses": losses, "params": params, "types": types, "pre": _SEEN["pre"],
+                "meshes": sorted(_SEEN["meshes"])}
 
     if where == "class":
         TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = pre, post  # type: ignore[attr-defined]
@@ -543,30 +562,36 @@ def _local_hooks(weights: str, hooks: str, where: str, meta: bool, hsdp: bool, m
         (4, "two", "self", "local", False, True, False),  # torch's test_all_gather_extension_hsdp_mesh, trained
         (4, "two", "v2", "class", False, True, True),  # TwoTensor on HSDP with mixed precision
     ],
-    ids=["plain-meta-2", "plain-4", "two-local-meta-2", "two-class-v1-2", "two-class-v2-meta-bf16-4", "two-local-hsdp-4",
+    ids=["plain-meta-2", "plain-4", "two-local-meta-2", "two-class-v1-2", "two-class-v2-meta-bf16-4",
+         "two-local-hsdp-4",
          "two-class-hsdp-bf16-4"],
 )
-def test_hooks_on_local_tensor_match_torch_fsdp2(world_size: int, weights: str, hooks: str, where: str, meta: bool, hsdp: bool,
+def test_hooks_on_local_tensor_match_torch_fsdp2(world_size: int, weights: str, hooks: str, where: str, meta: bool,
+                                                 hsdp: bool,
                                                   mp: bool) -> None:
     """torch's FSDP2 looks the all-gather hooks up on the sharded parameter's local tensor at every all-gather, so a
-    wrapper subclass without them (TwoTensor) shards, and hooks patched onto one instance, even of a plain tensor, apply.
-    Bitwise against torch (the same gathers, casts and reductions); against the unsharded model bitwise on 2 ranks
-    (an exact average, Adam on the same chunks), else within the oracle's tolerances (bf16: those of mixed precision)."""
+    wrapper subclass without them (TwoTensor) shards, and hooks patched onto one instance, even of a plain tensor,
+    apply. Bitwise against torch (the same gathers, casts and reductions); against the unsharded model bitwise on 2
+    ranks (an exact average, Adam on the same chunks), else within the oracle's tolerances (bf16: those of mixed
+    precision)."""
     results = run_distributed(_local_hooks, world_size, weights, hooks, where, meta, hsdp, mp)
     shard_size = world_size // 2 if hsdp else world_size
     gathers = 6 * 3 * 2  # 6 weights, 3 steps, forward + backward (resharded after forward)
     for rank, r in enumerate(results):
         ours, theirs, ref = r["ours"], r["torch"], r["ref"]
         kind = "TwoTensor" if weights == "two" else "Tensor"
-        assert ours["types"] == theirs["types"] == [kind] * 6, (ours["types"], theirs["types"])  # kept, never made plain
-        assert ours["pre"] == theirs["pre"] == gathers, (ours["pre"], theirs["pre"])  # the hooks ran at every all-gather
+        # kept, never made plain
+        assert ours["types"] == theirs["types"] == [kind] * 6, (ours["types"], theirs["types"])
+        # the hooks ran at every all-gather
+        assert ours["pre"] == theirs["pre"] == gathers, (ours["pre"], theirs["pre"])
         # the shard mesh only (HSDP: this rank's replica), as torch passes it
         assert ours["meshes"] == theirs["meshes"] and len(ours["meshes"]) == 1, (ours["meshes"], theirs["meshes"])
         assert len(ours["meshes"][0]) == shard_size and rank in ours["meshes"][0], ours["meshes"]
         assert ours["losses"] == theirs["losses"], f"rank {rank}: {ours['losses']} != torch's {theirs['losses']}"
         for p, q in zip(ours["params"], theirs["params"]):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
-        close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), ref_tol("loss", world_size), f"rank {rank} losses")
+        close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), ref_tol("loss", world_size),
+              f"rank {rank} losses")
         for i, (p, q) in enumerate(zip(ours["params"], ref["params"])):
             close(p, q, ref_tol("param", world_size), f"rank {rank} parameter {i} vs the unsharded model")
 
@@ -603,7 +628,8 @@ def _float8(sharded: bool) -> dict[str, Any]:
     losses = []
     try:
         for step in range(3):
-            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank), device="cpu").to(device())
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + rank),
+                            device="cpu").to(device())
             loss = model(x).pow(2).mean()
             loss.backward()
             if not sharded:
@@ -657,7 +683,8 @@ def _int8(use_torch: bool) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # the int8 weight has no mul_
     losses = []
     for step in range(3):
-        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()), device="cpu").to(device())
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()),
+                        device="cpu").to(device())
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
@@ -665,7 +692,8 @@ def _int8(use_torch: bool) -> dict[str, Any]:
         losses.append(loss.item())
     local = [p.to_local() for p in model.parameters()]
     return {
-        "losses": losses, "int": [t.int_data.clone() for t in local], "scale": [t.scale.clone() for t in local], "local_types": local_types
+        "losses": losses, "int": [t.int_data.clone() for t in local], "scale": [t.scale.clone() for t in local],
+        "local_types": local_types
     }
 
 
@@ -697,7 +725,8 @@ def _uneven() -> None:
     make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
     opt, ref_opt = make_opt(model.parameters()), ShardwiseOptimizer(ref.parameters(), world, make_opt)
     for step in range(3):
-        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device()) for r in range(world)]
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r), device="cpu").to(device())
+              for r in range(world)]
         model(xs[rank]).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -714,10 +743,10 @@ def test_own_subclass_unevenly_sharded_matches_unsharded() -> None:
 
 
 def _float8_tp(use_torch: bool, float8_tp: bool, shard_dim: int = 0) -> dict[str, Any]:
-    """torchtitan's float8 recipe on a (dp=2, tp=2) mesh: float8 training with float8 FSDP
-    all-gathers, torch TP (torchao's float8 TP styles, or torch's plain ones) on mesh["tp"],
-    then fully_shard on mesh["dp"] (the weights on ``Shard(shard_dim)``). torch's FSDP2 is the oracle: gloo has no float8, so its
-    all-gather is given a custom comm that moves the same bytes as uint8."""
+    """torchtitan's float8 recipe on a (dp=2, tp=2) mesh: float8 training with float8 FSDP all-gathers, torch TP
+    (torchao's float8 TP styles, or torch's plain ones) on mesh["tp"], then fully_shard on mesh["dp"] (the weights on
+    ``Shard(shard_dim)``). torch's FSDP2 is the oracle: gloo has no float8, so its all-gather is given a custom comm
+    that moves the same bytes as uint8."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
     from torch.distributed.tensor import Shard
@@ -732,7 +761,8 @@ def _float8_tp(use_torch: bool, float8_tp: bool, shard_dim: int = 0) -> dict[str
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return torch.empty(*size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
             out, inp = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
             return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
@@ -743,7 +773,8 @@ def _float8_tp(use_torch: bool, float8_tp: bool, shard_dim: int = 0) -> dict[str
     styles = (Float8ColwiseParallel(), Float8RowwiseParallel()) if float8_tp else (ColwiseParallel(), RowwiseParallel())
     parallelize_module(model, mesh["tp"], dict(zip(("0", "2"), styles)))
     for module in (model[0], model[2], model):
-        (torch_fully_shard if use_torch else fully_shard)(module, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(shard_dim))
+        (torch_fully_shard if use_torch else fully_shard)(module, mesh=mesh["dp"],
+                                                          shard_placement_fn=lambda p: Shard(shard_dim))
         if use_torch:
             module.set_custom_all_gather(ByteAllGather())  # type: ignore[operator]
     local_types = [type(p._local_tensor).__name__ for p in model.parameters()]
@@ -763,13 +794,15 @@ def _float8_tp(use_torch: bool, float8_tp: bool, shard_dim: int = 0) -> dict[str
         remove_observer(events.append)
     params = [p.to_local()._tensor.clone() for p in model.parameters()]  # this rank's part, fp32
     return {
-        "losses": losses, "params": params, "local_types": local_types, "placements": [str(p.placements) for p in model.parameters()],
+        "losses": losses, "params": params, "local_types": local_types,
+        "placements": [str(p.placements) for p in model.parameters()],
         "ag_bytes": sorted({e.nbytes for e in events if e.kind == "all_gather"}),
     }
 
 
 @pytest.mark.parametrize(
-    ("float8_tp", "shard_dim"), [(True, 0), (False, 0), (True, 1)], ids=["float8_tp_styles", "torch_tp_styles", "float8_tp_shard1"]
+    ("float8_tp", "shard_dim"), [(True, 0), (False, 0), (True, 1)],
+    ids=["float8_tp_styles", "torch_tp_styles", "float8_tp_shard1"]
 )
 def test_torchao_float8_with_tensor_parallel_matches_torch_fsdp2(float8_tp: bool, shard_dim: int) -> None:
     pytest.importorskip("torchao")

@@ -77,9 +77,12 @@ def test_install_switches_torch_names_and_uninstall_restores_the_same_objects(tm
     import fully_shard
 
     torch_objects = _torch_objects()
-    assert "torch.distributed.fsdp.fully_shard" in torch_objects and "torch.distributed._composable.fsdp.FSDPModule" in torch_objects
-    (tmp_path / "client_before.py").write_text("from torch.distributed.fsdp import fully_shard, FSDPModule as TheirModule\n")
-    (tmp_path / "client_after.py").write_text("from torch.distributed._composable.fsdp import fully_shard, FSDPModule\n")
+    assert ("torch.distributed.fsdp.fully_shard" in torch_objects
+            and "torch.distributed._composable.fsdp.FSDPModule" in torch_objects)
+    (tmp_path / "client_before.py").write_text("from torch.distributed.fsdp import fully_shard, FSDPModule as "
+                                               "TheirModule\n")
+    (tmp_path / "client_after.py").write_text("from torch.distributed._composable.fsdp import fully_shard, "
+                                              "FSDPModule\n")
     (tmp_path / "client_ours.py").write_text("from fully_shard import fully_shard, FSDPModule\n")
     sys.path.insert(0, str(tmp_path))
     try:
@@ -92,14 +95,17 @@ def test_install_switches_torch_names_and_uninstall_restores_the_same_objects(tm
             assert set(torch_objects) | {"client_before.fully_shard", "client_before.TheirModule"} <= set(replaced)
             for dotted in torch_objects:
                 assert _lookup(dotted) is getattr(fully_shard, dotted.rpartition(".")[2]), dotted
-            assert client_before.fully_shard is fully_shard.fully_shard and client_before.TheirModule is fully_shard.FSDPModule
+            assert (client_before.fully_shard is fully_shard.fully_shard
+                    and client_before.TheirModule is fully_shard.FSDPModule)
             import client_after  # type: ignore[import-not-found]
             import client_ours  # type: ignore[import-not-found]
 
-            assert client_after.fully_shard is fully_shard.fully_shard and client_after.FSDPModule is fully_shard.FSDPModule
+            assert (client_after.fully_shard is fully_shard.fully_shard
+                    and client_after.FSDPModule is fully_shard.FSDPModule)
             # torch's pipelining drives torch's internals through the names: it keeps torch's
             assert pp_stage.FSDPModule is torch_objects["torch.distributed.fsdp.FSDPModule"]
-            assert "torch.distributed.fsdp.{fully_shard, FSDPModule," in caplog.text and "client_before.{" in caplog.text
+            assert ("torch.distributed.fsdp.{fully_shard, FSDPModule," in caplog.text
+                    and "client_before.{" in caplog.text)
         finally:
             restored = fully_shard.uninstall()
         # what install() replaced, and what the module imported while it was on took from torch's namespace
@@ -117,10 +123,13 @@ def test_install_switches_torch_names_and_uninstall_restores_the_same_objects(tm
 
 
 def test_only_the_switch_imports_torchs_fsdp() -> None:
-    """The ground rule: nothing under fully_shard/ imports torch's FSDP2 (or _composable, _tools) but fully_shard/switch/."""
+    """The ground rule: nothing under fully_shard/ imports torch's FSDP2 (or _composable, _tools) but
+    fully_shard/switch/."""
     pattern = re.compile(r"^\s*(from|import)\s+torch\.distributed\.(fsdp|_composable|_tools)\b", re.MULTILINE)
-    offenders = {p.relative_to(ROOT).as_posix() for p in (ROOT / "fully_shard").rglob("*.py") if pattern.search(p.read_text())}
-    assert offenders == set(), offenders  # fully_shard/switch/ reaches them through importlib, by the names in NAMESPACES
+    offenders = {p.relative_to(ROOT).as_posix() for p in (ROOT / "fully_shard").rglob("*.py")
+                 if pattern.search(p.read_text())}
+    # fully_shard/switch/ reaches them through importlib, by the names in NAMESPACES
+    assert offenders == set(), offenders
 
 
 def test_launcher_runs_a_script_and_a_module_as_main(tmp_path: Path) -> None:
@@ -140,7 +149,8 @@ def test_launcher_runs_a_script_and_a_module_as_main(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     assert "ran __main__ ['--lr', '3'] fully_shard.api fully_shard.api True" in run.stdout, run.stdout
     assert "after torch.distributed.fsdp torch.distributed.fsdp torch.distributed.fsdp" in run.stdout, run.stdout
-    assert "fully_shard.switch: torch's FSDP2 names now resolve to fully_shard's: torch.distributed.fsdp.{" in run.stderr
+    assert ("fully_shard.switch: torch's FSDP2 names now resolve to fully_shard's: torch.distributed.fsdp.{"
+            in run.stderr)
 
 
 def test_launcher_module_form(tmp_path: Path, capsys: Any) -> None:
@@ -185,7 +195,8 @@ def _torch_sharded_then_install() -> dict[str, Any]:
         return {
             "warnings": [str(w.message) for w in caught],
             "still_torch": still_torch,
-            "policy": (type(state.mp_policy).__module__, state.mp_policy.param_dtype, state.mp_policy.cast_forward_inputs),
+            "policy": (type(state.mp_policy).__module__, state.mp_policy.param_dtype,
+                       state.mp_policy.cast_forward_inputs),
             "out_dtype": ours(torch.ones(2, 4, dtype=torch.float64)).dtype,
         }
     finally:
@@ -195,8 +206,9 @@ def _torch_sharded_then_install() -> dict[str, Any]:
 def test_modules_torch_sharded_before_install_warn_and_keep_running() -> None:
     out = run_distributed(_torch_sharded_then_install, 2)[0]
     # this test's Linear, and whatever torch-sharded modules earlier tests left alive in the worker
-    found = [re.match(r"fully_shard.install\(\): (\d+) module\(s\) are already sharded by torch's FSDP2 \(e.g. FSDP\w+\); they "
-                      r"keep running on torch's code .* Call fully_shard.install\(\) before the framework shards the model", w)
+    found = [re.match(r"fully_shard.install\(\): (\d+) module\(s\) are already sharded by torch's FSDP2 \(e.g. "
+                      r"FSDP\w+\); they keep running on torch's code .* Call fully_shard.install\(\) before the "
+                      r"framework shards the model", w)
              for w in out["warnings"]]
     assert any(m and int(m.group(1)) >= 1 for m in found), out["warnings"]
     assert out["still_torch"]
@@ -251,7 +263,8 @@ def _fsdp_on_cpu(state: Any, plugin: Any) -> None:
 def _llama(tied: bool, seed: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
@@ -282,7 +295,8 @@ def _full(model: Any, opt: Any = None) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters() for k, v in sorted(state[p].items())}
 
 
-def _accelerate(impl: str, tied: bool | str, save_dir: str | None = None, load_dir: str | None = None) -> dict[str, Any]:
+def _accelerate(impl: str, tied: bool | str, save_dir: str | None = None,
+                load_dir: str | None = None) -> dict[str, Any]:
     """``tied="unseen"``: the tie, with ``get_output_embeddings`` saying None (a head accelerate does not know), so
     accelerate shards ``embed_tokens`` alone and leaves ``lm_head`` to the root: the tie across two calls."""
     import torch.distributed as dist
@@ -311,7 +325,8 @@ def _accelerate(impl: str, tied: bool | str, save_dir: str | None = None, load_d
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-        out: dict[str, Any] = {"losses": losses, "params": _full(model), "adam": _full(model, opt), "sharding": _sharding(model)}
+        out: dict[str, Any] = {"losses": losses, "params": _full(model), "adam": _full(model, opt),
+                               "sharding": _sharding(model)}
         if save_dir is not None:
             accelerator.save_state(save_dir)
         if load_dir is not None:  # parameters and optimizer state zeroed first, so the load must write them all
@@ -338,7 +353,8 @@ accelerate_installed = pytest.mark.skipif(
 
 
 @accelerate_installed
-@skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none of it")
+@skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none "
+                     "of it")
 def test_accelerate_untied_llama_matches_torch_and_checkpoints_load_across(tmp_path: Path) -> None:
     theirs = run_distributed(_accelerate, 2, "torch", False, str(tmp_path / "torch"))
     ours = run_distributed(_accelerate, 2, "ours", False, str(tmp_path / "ours"), str(tmp_path / "torch"))
@@ -347,7 +363,8 @@ def test_accelerate_untied_llama_matches_torch_and_checkpoints_load_across(tmp_p
         a, b = ours[rank], theirs[rank]
         # embed_tokens, both decoder layers, norm and lm_head (one call), the root: all sharded by fully_shard
         assert a["sharding"] == dict.fromkeys(b["sharding"], "fully_shard"), a["sharding"]
-        assert set(b["sharding"].values()) == {"torch"} and {"", "model.layers.0", "model.embed_tokens", "lm_head"} <= set(b["sharding"])
+        assert set(b["sharding"].values()) == {"torch"} and {"", "model.layers.0", "model.embed_tokens",
+                                                             "lm_head"} <= set(b["sharding"])
         assert a["losses"] == b["losses"], (a["losses"], b["losses"])
         _assert_bitwise(a["params"], b["params"])
         _assert_bitwise(a["adam"], b["adam"])
@@ -357,7 +374,8 @@ def test_accelerate_untied_llama_matches_torch_and_checkpoints_load_across(tmp_p
 
 
 @accelerate_installed
-@skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none of it")
+@skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none "
+                     "of it")
 def test_accelerate_tied_llama_trains_today_as_accelerate_groups_the_tie() -> None:
     ours = run_distributed(_accelerate, 2, "ours", True)[0]
     theirs = run_distributed(_accelerate, 2, "torch", True)[0]
@@ -370,7 +388,8 @@ def test_accelerate_tied_llama_trains_today_as_accelerate_groups_the_tie() -> No
 
 
 @accelerate_installed
-@skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none of it")
+@skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none "
+                     "of it")
 def test_accelerate_tie_across_calls_trains_where_torch_refuses() -> None:
     # embed_tokens in its own call, lm_head (tied to it) left to the root: torch's FSDP2 refuses the root's call
     refused = run_distributed(_accelerate, 2, "torch", "unseen")[0]
@@ -400,10 +419,12 @@ def _trainer(impl: str, fsdp_on_cpu: bool, output_dir: str) -> dict[str, Any]:
 
         ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
         data = [{"input_ids": x, "labels": x} for x in ids]
-        args = TrainingArguments(output_dir=output_dir, use_cpu=True, fsdp=True, fsdp_config={"version": 2}, max_steps=3,
+        args = TrainingArguments(output_dir=output_dir, use_cpu=True, fsdp=True, fsdp_config={"version": 2},
+                                 max_steps=3,
                                  per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1, report_to=[],
                                  save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
-        trainer = (CPUFSDPTrainer if fsdp_on_cpu else Trainer)(model=_llama(False, seed=0), args=args, train_dataset=data)
+        trainer = (CPUFSDPTrainer if fsdp_on_cpu else Trainer)(model=_llama(False, seed=0), args=args,
+                                                               train_dataset=data)
         if not fsdp_on_cpu:
             return {"distributed_type": str(trainer.accelerator.distributed_type), "fsdp": trainer.is_fsdp_enabled}
         trainer.train()
@@ -415,7 +436,8 @@ def _trainer(impl: str, fsdp_on_cpu: bool, output_dir: str) -> dict[str, Any]:
 
 
 @accelerate_installed
-@skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none of it")
+@skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none "
+                     "of it")
 def test_trainer_fsdp2_config_trains_on_fully_shard_like_torch(tmp_path: Path) -> None:
     # what the Trainer does with an FSDP2 config on CPU ranks: DDP, without a word
     plain = run_distributed(_trainer, 2, "ours", False, str(tmp_path))[0]

@@ -150,10 +150,13 @@ class ThreadedFullyShardTest(MultiThreadedTestCase):
                 shard_fn(module, mesh=mesh)
             log = seen[name] = []
             for pname, p in model.named_parameters():
-                p.register_post_accumulate_grad_hook(lambda p, pname=pname, log=log: log.append((pname, p.grad.to_local().clone())))
+                p.register_post_accumulate_grad_hook(
+                    lambda p, pname=pname, log=log: log.append((pname, p.grad.to_local().clone()))
+                )
             model(torch.randn(2, 8, generator=torch.Generator().manual_seed(self.rank))).sum().backward()
         # the input needs no gradient: model[0]'s group and the root's are reduced at the end of backward, root first
-        self.assertEqual([n for n, _ in seen["ours"]], ["2.weight", "2.bias", "4.weight", "4.bias", "0.weight", "0.bias"])
+        self.assertEqual([n for n, _ in seen["ours"]],
+                         ["2.weight", "2.bias", "4.weight", "4.bias", "0.weight", "0.bias"])
         self.assertEqual([n for n, _ in seen["ours"]], [n for n, _ in seen["torch"]])
         for (name, g), (_, tg) in zip(seen["ours"], seen["torch"]):
             self.assertTrue(torch.equal(g, tg), name)  # the same reduce-scatter of the same gradients

@@ -9,8 +9,8 @@ Layouts (``tests.models.Transformer``, 3 blocks):
 * ``accelerate``: the same tie; each block, ``[norm, tok_embeddings]`` (reshard_after_forward=False), the root,
   which reaches ``output``: accelerate's ``fsdp2_prepare_model`` before huggingface/accelerate#4171.
 * ``blocks``: ``layers.2.attention.wq.weight`` tied to ``layers.0``'s; each block, the root.
-* ``shared_module``: one ``Linear`` in two blocks (``layers.2.attention.wq is layers.0.attention.wq``: pytorch/torchtitan#2817),
-  each block, the root.
+* ``shared_module``: one ``Linear`` in two blocks (``layers.2.attention.wq is layers.0.attention.wq``:
+  pytorch/torchtitan#2817), each block, the root.
 
 Configurations: ``reshard_after_forward`` as the layout has it (None), True and False on every call but the root,
 activation checkpointing of every block; on 4 ranks ``reshard_after_forward=2``; bf16 parameters with fp32
@@ -71,7 +71,8 @@ class TiedTransformer(Transformer):
 
 def _shard(model: TiedTransformer, layout: str, fs: Any = fully_shard, reshard: Any = None, mp: Any = None,
            grouped: bool = False) -> None:
-    """``layout``'s calls (``grouped``: the tie in one call instead, as torch needs), ``reshard`` on all but the root."""
+    """``layout``'s calls (``grouped``: the tie in one call instead, as torch needs), ``reshard`` on all but the
+    root."""
     kw: dict[str, Any] = {"mesh": mesh(dist.get_world_size())}
     if mp is not None:
         kw["mp_policy"] = mp
@@ -122,7 +123,8 @@ def _train(models: dict[str, nn.Module], opts: dict[str, Any], steps: int) -> li
 def _check_tie(model: nn.Module, layout: str, what: str) -> list[str]:
     """Between steps the tie holds: both registrations are the one sharded DTensor, listed once."""
     blocks = layout in ("blocks", "shared_module")
-    a, b = (model.layers[0].attention.wq, model.layers[2].attention.wq) if blocks else (model.tok_embeddings, model.output)
+    a, b = ((model.layers[0].attention.wq, model.layers[2].attention.wq) if blocks
+            else (model.tok_embeddings, model.output))
     ok = a.weight is b.weight and isinstance(a.weight, DTensor)
     return [] if ok else [f"{what}: the tie did not hold ({type(a.weight).__name__}, {type(b.weight).__name__})"]
 
@@ -143,7 +145,8 @@ def _layout_fp32(layout: str, configs: list[tuple[Any, bool]]) -> list[str]:
             warnings.simplefilter("ignore")  # the held-twice warning (its own test)
             _shard(ours, layout, reshard=reshard)
         assert len(list(ours.parameters())) == len(list(ref.parameters())), what
-        opts = {"ref": ShardwiseOptimizer(ref.parameters(), dist.get_world_size(), _adamw), "ours": _adamw(ours.parameters())}
+        opts = {"ref": ShardwiseOptimizer(ref.parameters(), dist.get_world_size(), _adamw),
+                "ours": _adamw(ours.parameters())}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             bad += [f"{what}: {m}" for m in _train({"ref": ref, "ours": ours}, opts, STEPS)]
@@ -164,11 +167,13 @@ def _layout_bf16(layout: str) -> list[str]:
         _shard(ours, layout, mp=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
     _shard(theirs, layout, torch_fully_shard, mp=TorchMP(torch.bfloat16, torch.float32), grouped=True)
     opts = {"torch": _adamw(theirs.parameters()), "ours": _adamw(ours.parameters())}
-    return [f"{layout}, bf16: {m}" for m in _train({"torch": theirs, "ours": ours}, opts, STEPS)] + _check_tie(ours, layout, "bf16")
+    return ([f"{layout}, bf16: {m}" for m in _train({"torch": theirs, "ours": ours}, opts, STEPS)]
+            + _check_tie(ours, layout, "bf16"))
 
 
 # what torch's FSDP2 (2.13) raises on each layout (the shared Linear: an internal TypeError at block 2's call)
-TORCH_REFUSES = {"torchtitan": "already managed by another FSDP group", "accelerate": "already managed by another FSDP group",
+TORCH_REFUSES = {"torchtitan": "already managed by another FSDP group",
+                 "accelerate": "already managed by another FSDP group",
                  "blocks": "already managed by another FSDP group", "shared_module": "Invariant encountered"}
 
 
@@ -270,7 +275,8 @@ def _checkpoint_layout(layout: str, root: str) -> list[str]:
         buffers = dict(ref.named_buffers())  # (non-persistent ones too)
         for name, b in ours.named_buffers():
             b.copy_(buffers[name])
-    opts = {"ref": ShardwiseOptimizer(ref.parameters(), dist.get_world_size(), _adamw), "ours": _adamw(ours.parameters())}
+    opts = {"ref": ShardwiseOptimizer(ref.parameters(), dist.get_world_size(), _adamw),
+            "ours": _adamw(ours.parameters())}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bad += [f"{layout}, meta init: {m}" for m in _train({"ref": ref, "ours": ours}, opts, STEPS)]
@@ -327,12 +333,13 @@ def test_planner_plans_a_tie_across_calls_once_and_notes_it() -> None:
     assert embedding.name == "tok_embeddings" and embedding.tensors == 1
     assert root.sharded_bytes == untied_root.sharded_bytes - embedding.sharded_bytes  # its state: once
     assert root.optimizer_bytes == untied_root.optimizer_bytes - embedding.optimizer_bytes
-    assert root.reduce_scatter_input_bytes == untied_root.reduce_scatter_input_bytes - embedding.reduce_scatter_input_bytes
+    assert (root.reduce_scatter_input_bytes
+            == untied_root.reduce_scatter_input_bytes - embedding.reduce_scatter_input_bytes)
     assert [n for n in tied.notes if "tied" in n] == [
-        "parameter 'output.weight' is tied to 'tok_embeddings.weight' (the group of tok_embeddings): the group of (root) "
-        "gathers it too, one more all-gather of 26,800 bytes (unsharded) per forward, and one reduce-scatter sums both "
-        "groups' gradients, held until the later post-backward; one fully_shard call over the modules that use it "
-        "gathers it once (docs/design.md, tied parameters across calls)"]
+        "parameter 'output.weight' is tied to 'tok_embeddings.weight' (the group of tok_embeddings): the group of "
+        "(root) gathers it too, one more all-gather of 26,800 bytes (unsharded) per forward, and one reduce-scatter "
+        "sums both groups' gradients, held until the later post-backward; one fully_shard call over the modules that "
+        "use it gathers it once (docs/design.md, tied parameters across calls)"]
 
 
 def _tied_divergence() -> str:

@@ -78,7 +78,8 @@ def _wrap(kind: str) -> tuple[list[str], list[str]]:
     sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     x = batch(0, dist.get_rank())
     loss_fn(model(x), x).backward()
-    # ranks sharing a GPU under the switch (gloo with CUDA tensors): fully_shard's warning about that is not the helper's
+    # ranks sharing a GPU under the switch (gloo with CUDA tensors): fully_shard's warning about that is not the
+    # helper's
     return sharded, [str(w.message) for w in caught if "tensors over gloo" not in str(w.message)]
 
 
@@ -221,7 +222,8 @@ def test_ddp_no_sync_explains_the_equivalent() -> None:
 def test_trace_outside_fully_shard_is_empty(fn: str) -> None:
     with trace_comm() as trace:
         pass
-    assert getattr(trace, fn)() in ([], "phase     kind            group                        ranks        bytes  start ms   dur ms")
+    assert (getattr(trace, fn)()
+            in ([], "phase     kind            group                        ranks        bytes  start ms   dur ms"))
 
 
 def test_set_debug_keeps_one_check_and_debug_collectives_restores_the_mode() -> None:

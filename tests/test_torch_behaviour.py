@@ -181,9 +181,11 @@ def _chunked_sweep(programs: list[str], combos: list[tuple[bool, Any, str, bool]
             for fqn, p in named["ours"].items():
                 a, b, r = _full(p.grad), _full(named["torch"][fqn].grad), named["ref"][fqn].grad
                 if not torch.equal(a, b):  # same ops in the same order as torch FSDP2 (docstring)
-                    problems.append(f"{what}, step {step}: grad of {fqn} differs from torch FSDP2 by {(a - b).abs().max():.3g}")
+                    problems.append(f"{what}, step {step}: grad of {fqn} differs from torch FSDP2 by "
+                                    f"{(a - b).abs().max():.3g}")
                 if not torch.allclose(a, r, rtol=tol, atol=tol):
-                    problems.append(f"{what}, step {step}: grad of {fqn} differs from the unsharded model by {(a - r).abs().max():.3g}")
+                    problems.append(f"{what}, step {step}: grad of {fqn} differs from the unsharded model by "
+                                    f"{(a - r).abs().max():.3g}")
             for opt in opts.values():
                 opt.step()
                 opt.zero_grad()
@@ -223,7 +225,8 @@ _SPOT = [
         (4, "one", _SPOT),
         (4, "two_forwards", _SPOT),
     ],
-    ids=["2-torchtitan-full-sweep", "2-accumulate-spot", "2-one-spot", "2-two_forwards-spot", "4-one-spot", "4-two_forwards-spot"],
+    ids=["2-torchtitan-full-sweep", "2-accumulate-spot", "2-one-spot", "2-two_forwards-spot", "4-one-spot",
+         "4-two_forwards-spot"],
 )
 def test_chunked_head_matches_torch_and_unsharded(world_size: int, program: str, combos: list[Any]) -> None:
     """Ours, torch FSDP2 and the unsharded model, 2 steps each combination, every rank's
@@ -357,7 +360,8 @@ def _replaced_before_lazy_init(full: bool) -> list[str]:
         for fqn, p in model.named_parameters():
             # one step of an N-rank average: the same values by construction, within rounding
             # of the reference's matmul blocking (fp32)
-            torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[fqn].grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[fqn].grad, rtol=1e-5,
+                                       atol=1e-6)
     return problems
 
 
@@ -379,7 +383,8 @@ def _post_forward_numel(module: nn.Module, ours: bool) -> int:
         params = state_of(module).group.params  # type: ignore[union-attr]
         return sum(p.post_forward_slice.numel() for p in params if p.post_forward_slice is not None)
     group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-    kept = [getattr(fp, "_sharded_post_forward_param_data", None) for fp in group.fsdp_params]  # set at a post-forward reshard
+    # set at a post-forward reshard
+    kept = [getattr(fp, "_sharded_post_forward_param_data", None) for fp in group.fsdp_params]
     return sum(t.numel() for t in kept if t is not None)
 
 
@@ -404,7 +409,8 @@ def _int_reshard(k: int) -> list[Any]:
         out.sum().backward()
         grads = [p.grad.full_tensor() for p in model.parameters()]
         warned = any("reshard_after_forward=1" in str(w.message) for w in caught)
-        seen.append({"sharded": sharded_after_forward, "warns": warned, "kept": kept, "out": out.detach(), "grads": grads})
+        seen.append({"sharded": sharded_after_forward, "warns": warned, "kept": kept, "out": out.detach(),
+                     "grads": grads})
     return seen
 
 

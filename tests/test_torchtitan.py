@@ -114,7 +114,8 @@ def _train(impl: str, steps: int, tied: str = "") -> dict[str, Any]:
                 model = spec.model.build()
             if tied == "calls":
                 model.tok_embeddings.weight = model.lm_head.weight
-            dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor")
+            dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world,
+                                spmd_backend="partial_dtensor")
             model = parallelize_llama(
                 model,
                 parallel_dims=dims,
@@ -138,7 +139,8 @@ def _train(impl: str, steps: int, tied: str = "") -> dict[str, Any]:
                 # the fused wqkv into computed wq/wk/wv tensors that copies would not reach)
                 for name, p in model.named_parameters():
                     assert isinstance(p, DTensor), name
-                    local = distribute_tensor(full[name.replace("_checkpoint_wrapped_module.", "")], p.device_mesh, p.placements)
+                    local = distribute_tensor(full[name.replace("_checkpoint_wrapped_module.", "")], p.device_mesh,
+                                              p.placements)
                     p.to_local().copy_(local.to_local())
         model.train()
         loss_fn = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=8))
@@ -171,10 +173,14 @@ def _train(impl: str, steps: int, tied: str = "") -> dict[str, Any]:
             out["loss"].append(loss.item())
             out["grad_norm"].append(float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm))
         out["params"] = {
-            name.replace("_checkpoint_wrapped_module.", ""): _full(p).detach().clone() for name, p in model.named_parameters()
+            name.replace("_checkpoint_wrapped_module.", ""): _full(p).detach().clone()
+            for name, p in model.named_parameters()
         }
-        out["is_fsdp_module"] = impl == "ref" or isinstance(model.lm_head, sys.modules["torch.distributed._composable.fsdp"].FSDPModule)
-        out["sharded_by"] = {c.__module__ for m in model.modules() for c in type(m).__mro__ if c.__name__ == "FSDPModule"}
+        out["is_fsdp_module"] = impl == "ref" or isinstance(
+            model.lm_head, sys.modules["torch.distributed._composable.fsdp"].FSDPModule
+        )
+        out["sharded_by"] = {c.__module__ for m in model.modules() for c in type(m).__mro__
+                             if c.__name__ == "FSDPModule"}
     return out
 
 

@@ -25,9 +25,12 @@ HAS_THEM = "torch 2.13"
 FEATURES = {
     "ShardPlacementResult": ("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult"),
     "DataParallelMeshDims": ("torch.distributed.fsdp", "DataParallelMeshDims"),
-    "FSDPModule.set_reduce_scatter_max_input_buffers": ("torch.distributed.fsdp", "FSDPModule.set_reduce_scatter_max_input_buffers"),
-    "FSDPModule.set_separate_reduce_scatter_group": ("torch.distributed.fsdp", "FSDPModule.set_separate_reduce_scatter_group"),
-    "FSDPModule.set_reduce_scatter_unused_params": ("torch.distributed.fsdp", "FSDPModule.set_reduce_scatter_unused_params"),
+    "FSDPModule.set_reduce_scatter_max_input_buffers": ("torch.distributed.fsdp",
+                                                        "FSDPModule.set_reduce_scatter_max_input_buffers"),
+    "FSDPModule.set_separate_reduce_scatter_group": ("torch.distributed.fsdp",
+                                                     "FSDPModule.set_separate_reduce_scatter_group"),
+    "FSDPModule.set_reduce_scatter_unused_params": ("torch.distributed.fsdp",
+                                                    "FSDPModule.set_reduce_scatter_unused_params"),
     "dist.all_gather_single": ("torch.distributed", "all_gather_single"),
 }
 
@@ -48,8 +51,8 @@ def missing_torch_features(*names: str) -> str | None:
     missing = [n for n in names if not has_torch_feature(n)]
     if not missing:
         return None
-    return (f"torch {torch.__version__} lacks {', '.join(missing)} ({HAS_THEM} has {'it' if len(missing) == 1 else 'them'}): "
-            "this test compares against it")
+    return (f"torch {torch.__version__} lacks {', '.join(missing)} ({HAS_THEM} has "
+            f"{'it' if len(missing) == 1 else 'them'}): this test compares against it")
 
 
 def requires_torch_feature(*names: str) -> pytest.MarkDecorator:

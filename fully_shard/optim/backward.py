@@ -82,7 +82,8 @@ def in_backward(
         if p.requires_grad and p not in optimizers:
             opt = optimizer([p], **kwargs)
             if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"in_backward: optimizer([param]) must return a torch.optim.Optimizer, got {type(opt).__name__}")
+                raise TypeError("in_backward: optimizer([param]) must return a torch.optim.Optimizer, got "
+                                f"{type(opt).__name__}")
             optimizers[p] = opt
             optimizers._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_step, opt)))
     if not optimizers:

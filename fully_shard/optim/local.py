@@ -138,8 +138,8 @@ def local_step(optimizer: OptimizerT, *, elementwise: bool = False) -> Optimizer
                 raise
             raise TypeError(
                 f"local_step: {type(opt).__qualname__}.step uses {e.name!r}, which only DTensors have, so it is not "
-                "elementwise: inside local_step it sees each DTensor parameter's local tensor. Step it on the DTensors: "
-                "do not wrap it with local_step (drop elementwise=True)"
+                "elementwise: inside local_step it sees each DTensor parameter's local tensor. Step it on the "
+                "DTensors: do not wrap it with local_step (drop elementwise=True)"
             ) from e
         finally:
             _swap_out_eagerly(opt, undo, groups)
@@ -223,7 +223,8 @@ def _swap_in(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) 
     if not swapped:
         return
     # same keys in the same order, DTensor parameters replaced by their local tensors
-    _rekey(state, swapped, lambda e: e.local, lambda e, v: {k: t._local_tensor if isinstance(t, DTensor) else t for k, t in v.items()})
+    _rekey(state, swapped, lambda e: e.local,
+           lambda e, v: {k: t._local_tensor if isinstance(t, DTensor) else t for k, t in v.items()})
 
 
 def _swap_out(opt: torch.optim.Optimizer, undo: list[_Swapped], groups: _Groups) -> None:

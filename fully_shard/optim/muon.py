@@ -45,7 +45,8 @@ def newton_schulz(
     a, b, c = coefficients
     tall = stack.size(-2) > stack.size(-1)
     if not batched:
-        return torch.stack([_newton_schulz_one(m, a, b, c, steps, eps) for m in stack]) if len(stack) else stack.bfloat16()
+        return (torch.stack([_newton_schulz_one(m, a, b, c, steps, eps) for m in stack]) if len(stack)
+                else stack.bfloat16())
     x = stack.to(torch.bfloat16, copy=True)  # (B, M, N), contiguous like torch's grad.bfloat16()
     if tall:
         x = x.mT  # iterate on the wide orientation: the Gram matrix is the smaller one
@@ -220,7 +221,8 @@ class Muon(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError(f"Muon does not support sparse gradients: parameter {self._name(group, i, p)!r} has one")
+                raise RuntimeError(f"Muon does not support sparse gradients: parameter {self._name(group, i, p)!r} has "
+                                   "one")
             if p not in self._layouts:
                 self._layout(p, self._name(group, i, p))
             grad, local = _local(p.grad), _local(p)

@@ -205,7 +205,8 @@ def _plan_bucket(group: dist.ProcessGroup, layouts: Sequence[MatrixLayout], item
     owned: list[list[int]] = [[] for _ in range(world)]
     for i, owner in zip(items, assign_owners([cost(layouts[i].shape) for i in items], world)):
         owned[owner].append(i)
-    stacks = [[_Stack(shape, [mine[p] for p in pos]) for shape, pos in _stacks([layouts[i].shape for i in mine]).items()]
+    stacks = [[_Stack(shape, [mine[p] for p in pos])
+               for shape, pos in _stacks([layouts[i].shape for i in mine]).items()]
               for mine in owned]
     order = [i for per_owner in stacks for stack in per_owner for i in stack.items]
     numels = [_rows_numel(layouts[i], rank) for i in order]
@@ -250,7 +251,8 @@ class _Plan:
                       for shape, pos in _stacks([layouts[i].shape[-2:] for i in local]).items()]
         self.buckets = [_plan_bucket(group, layouts, items, cost) for group, items in by_group.items()]
 
-    def start(self, dtypes: Sequence[torch.dtype], out_dtypes: Sequence[torch.dtype], device: torch.device) -> _Exchange:
+    def start(self, dtypes: Sequence[torch.dtype], out_dtypes: Sequence[torch.dtype],
+              device: torch.device) -> _Exchange:
         """Buffers for one step: matrix ``i`` travels in ``dtypes[i]`` and its result in ``out_dtypes[i]``
         (per bucket and stack: those of its first matrix)."""
         return _Exchange(self, dtypes, out_dtypes, device)
@@ -260,7 +262,8 @@ class _Exchange:
     """One step's buffers. Write this rank's part of matrix ``i`` into ``inputs[i]``, run the
     :meth:`run` loop to its end, and ``outputs[i]`` holds this rank's rows of its result."""
 
-    def __init__(self, plan: _Plan, dtypes: Sequence[torch.dtype], out_dtypes: Sequence[torch.dtype], device: torch.device) -> None:
+    def __init__(self, plan: _Plan, dtypes: Sequence[torch.dtype], out_dtypes: Sequence[torch.dtype],
+                 device: torch.device) -> None:
         self.plan = plan
         self.inputs: list[torch.Tensor] = [torch.empty(0)] * len(plan.shapes)
         self.outputs: list[torch.Tensor] = [torch.empty(0)] * len(plan.shapes)
@@ -281,7 +284,8 @@ class _Exchange:
             back = send if out_dtype == dtype else torch.empty(send.shape, dtype=out_dtype, device=device)
             sent = recv if out_dtype == dtype else torch.empty(recv.shape, dtype=out_dtype, device=device)
             ins = [part.view(plan.shapes[i]) for i, part in zip(bucket.order, send.split(bucket.numels))]
-            outs = ins if back is send else [out.view(plan.shapes[i]) for i, out in zip(bucket.order, back.split(bucket.numels))]
+            outs = ins if back is send else [out.view(plan.shapes[i])
+                                             for i, out in zip(bucket.order, back.split(bucket.numels))]
             for i, part, out in zip(bucket.order, ins, outs):
                 self.inputs[i], self.outputs[i] = part, out
             self._buffers.append((send, recv, sent, back))
@@ -302,11 +306,15 @@ class _Exchange:
                 count, cols = len(stack.items), stack.shape[1]
                 whole = torch.empty((count, *stack.shape), dtype=recv.dtype, device=recv.device)
                 for offset, start, end in pieces:
-                    whole[:, start:end].copy_(recv[offset : offset + count * (end - start) * cols].view(count, end - start, cols))
+                    whole[:, start:end].copy_(
+                        recv[offset : offset + count * (end - start) * cols].view(count, end - start, cols)
+                    )
                 result = torch.empty(whole.shape, dtype=sent.dtype, device=sent.device)
                 yield whole, result
                 for offset, start, end in pieces:  # this stack's blocks only: the next ones are still to read
-                    sent[offset : offset + count * (end - start) * cols].view(count, end - start, cols).copy_(result[:, start:end])
+                    sent[offset : offset + count * (end - start) * cols].view(count, end - start, cols).copy_(
+                        result[:, start:end]
+                    )
             # 3. send each rank its rows of the results I own (into the layout it sent from)
             returns.append(_all_to_all(back, sent, bucket.splits, bucket.peer_splits, bucket.group))
         for work in returns:
@@ -338,7 +346,8 @@ def owned_matrices_local(
     torch._foreach_copy_(list(outputs), exchange.outputs)
 
 
-def _all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Any) -> dist.Work:
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int],
+                group: Any) -> dist.Work:
     work: dist.Work | None = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
     assert work is not None  # async_op=True
     return work

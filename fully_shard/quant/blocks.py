@@ -28,8 +28,8 @@ def check_format(bits: int, block: int) -> None:
     if bits not in (4, 8):
         raise ValueError(f"quantized collectives: bits must be 8 (int8) or 4 (int4), got {bits!r}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or (bits == 4 and block % 2):
-        raise ValueError(f"quantized collectives: block_size must be a positive int{' and even for int4' if bits == 4 else ''} "
-                         f"(two int4 codes share a byte), got {block!r}")
+        raise ValueError("quantized collectives: block_size must be a positive "
+                         f"int{' and even for int4' if bits == 4 else ''} (two int4 codes share a byte), got {block!r}")
 
 
 def record_bytes(bits: int, block: int) -> int:
@@ -130,7 +130,8 @@ def roundtrip_bound(amax: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.
     return amax * (1 / (2 * q) + 2 * FP32_EPS + u * (1 + 1 / (2 * q))) + (q + 2) * FP32_TINY_ULP + tiny
 
 
-def reduce_bound(amax_sum: torch.Tensor, bits: int, dtype: torch.dtype, world: int, divisor: float = 1.0) -> torch.Tensor:
+def reduce_bound(amax_sum: torch.Tensor, bits: int, dtype: torch.dtype, world: int,
+                 divisor: float = 1.0) -> torch.Tensor:
     """Largest error of a quantized reduction against the exact sum (divided by ``divisor``), for an element whose
     blocks on the ``world`` ranks have magnitudes summing to ``amax_sum``, the result rounded to ``dtype``.
 
@@ -157,7 +158,8 @@ def exact_error(abs_sum: torch.Tensor, dtype: torch.dtype, world: int, divisor: 
     return abs_sum / divisor * (world + 1) * u + world * tiny
 
 
-def two_level_bound(amax_sum: torch.Tensor, bits: int, dtype: torch.dtype, world: int, divisor: float = 1.0) -> torch.Tensor:
+def two_level_bound(amax_sum: torch.Tensor, bits: int, dtype: torch.dtype, world: int,
+                    divisor: float = 1.0) -> torch.Tensor:
     """Largest error of HSDP's quantized reduction (a quantized reduce-scatter over the shard group, then the
     quantized all-reduce across replicas) against the exact result, where ``amax_sum`` sums over all ``world``
     data-parallel ranks each rank's largest magnitude in the reduced buffer.
@@ -168,7 +170,8 @@ def two_level_bound(amax_sum: torch.Tensor, bits: int, dtype: torch.dtype, world
     return reduce_bound(amax_sum, bits, dtype, world, divisor) * (1 + grow + grow * grow)
 
 
-def all_reduce_bound(amax_sum: torch.Tensor, bits: int, dtype: torch.dtype, world: int, divisor: float = 1.0) -> torch.Tensor:
+def all_reduce_bound(amax_sum: torch.Tensor, bits: int, dtype: torch.dtype, world: int,
+                     divisor: float = 1.0) -> torch.Tensor:
     """Largest error of the quantized all-reduce alone (``QuantReduceScatter.all_reduce``) against the exact sum, where
     ``amax_sum`` sums each replica's largest magnitude: the replicas' inputs (``A / (2q)``, ``A = amax_sum /
     divisor``) and the owner's sum, requantized for the all-gather (at most ``A (1 + 1/(2q))`` in magnitude)."""

@@ -31,7 +31,8 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup |
     fn(out, inp, group=group)
 
 
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM) -> None:
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                    op: Any = dist.ReduceOp.SUM) -> None:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, inp, op=op, group=group)
 
@@ -148,11 +149,12 @@ class _Quantized:
             split = self.layout.indices(n, device)
             if split is None:
                 warnings.warn(
-                    f"fully_shard.quant: a collective of {self.layout.module!r} has {n} elements per rank, which do not "
-                    f"split into its parameters ({', '.join(self.layout.names)}): some got no gradient this step, or the "
-                    "group gathers several dtypes. Such collectives quantize every element, the parameters kept exact "
-                    "included (within the same bound). Give unused parameters a gradient "
-                    "(set_reduce_scatter_unused_params) or keep the whole module exact (skip=) to avoid it.", stacklevel=2)
+                    f"fully_shard.quant: a collective of {self.layout.module!r} has {n} elements per rank, which do "
+                    f"not split into its parameters ({', '.join(self.layout.names)}): some got no gradient this step, "
+                    "or the group gathers several dtypes. Such collectives quantize every element, the parameters kept "
+                    "exact included (within the same bound). Give unused parameters a gradient "
+                    "(set_reduce_scatter_unused_params) or keep the whole module exact (skip=) to avoid "
+                    "it.", stacklevel=2)
             self._indices[key] = split
         return self._indices[key]
 
@@ -295,12 +297,14 @@ class QuantReduceScatter(_Quantized):
         amax_sum, abs_sum = (torch.empty(xq.shape[1], device=x.device) for _ in range(2))
         _reduce_scatter(amax_sum, blocks.block_amax(xq, self.block_size).reshape(-1), group)
         _reduce_scatter(abs_sum, xq.abs().reshape(-1), group)
-        divisor = {dist.ReduceOp.AVG: g, dist.ReduceOp.PREMUL_SUM: 1 / float(getattr(op, "factor", 1.0))}.get(getattr(op, "op", op), 1)
+        divisor = {dist.ReduceOp.AVG: g, dist.ReduceOp.PREMUL_SUM: 1 / float(getattr(op, "factor", 1.0))}.get(
+            getattr(op, "op", op), 1
+        )
         bound = (blocks.reduce_bound(amax_sum, self.bits, out.dtype, g, divisor)
                  + blocks.exact_error(abs_sum, out.dtype, g, divisor))
         assert self.errors is not None
-        self.errors.append(_record("reduce_scatter", self._quantized_part(out, split), self._quantized_part(exact, split),
-                                   amax_sum / divisor, bound))
+        self.errors.append(_record("reduce_scatter", self._quantized_part(out, split),
+                                   self._quantized_part(exact, split), amax_sum / divisor, bound))
 
     def _write(self, out: torch.Tensor, acc: torch.Tensor, exact: torch.Tensor | None, op: Any, g: int,
                split: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -370,8 +374,8 @@ class QuantReduceScatter(_Quantized):
         bound = (blocks.all_reduce_bound(amax_sum, self.bits, out.dtype, r, divisor)
                  + blocks.exact_error(abs_sum, torch.float32, r, divisor))
         assert self.errors is not None
-        self.errors.append(_record("all_reduce", self._quantized_part(out, split), exact, (amax_sum / divisor).expand_as(exact),
-                                   bound.expand_as(exact)))
+        self.errors.append(_record("all_reduce", self._quantized_part(out, split), exact,
+                                   (amax_sum / divisor).expand_as(exact), bound.expand_as(exact)))
 
 
 # -- policy level ------------------------------------------------------------------------------------------------
@@ -392,16 +396,17 @@ def default_skip(name: str, module: nn.Module) -> bool:
 
 def _is_fsdp(module: nn.Module) -> bool:
     # fully_shard's FSDPModule or torch's (never imported here): both have torch's Comm setters
-    return callable(getattr(module, "set_custom_all_gather", None)) and callable(getattr(module, "set_custom_reduce_scatter", None))
+    return (callable(getattr(module, "set_custom_all_gather", None))
+            and callable(getattr(module, "set_custom_reduce_scatter", None)))
 
 
 def _padded_numel(name: str, module: str, p: DTensor) -> int:
     """A parameter's unsharded numel padded as FSDP pads it: dim 0 up to a multiple of the shard group size."""
     shards = [(i, pl.dim) for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
     if len(shards) != 1 or not all(isinstance(pl, (Shard, Replicate)) for pl in p.placements):
-        raise ValueError(f"quantize_comms: {module!r} parameter {name!r} has placements {p.placements}: keeping some of "
-                         f"{module!r}'s parameters exact needs plain FSDP/HSDP parameters (one Shard, no tensor parallelism). "
-                         "Pass a skip= that keeps the whole module exact or quantizes all of it.")
+        raise ValueError(f"quantize_comms: {module!r} parameter {name!r} has placements {p.placements}: keeping some "
+                         f"of {module!r}'s parameters exact needs plain FSDP/HSDP parameters (one Shard, no tensor "
+                         "parallelism). Pass a skip= that keeps the whole module exact or quantizes all of it.")
     (mesh_dim, dim), = shards
     world = p.device_mesh.size(mesh_dim)
     if dim > 0:
@@ -445,7 +450,8 @@ class ModuleComms:
     def __str__(self) -> str:
         if self.all_gather is None and self.reduce_scatter is None:
             return "exact" + (f" ({', '.join(self.exact)})" if self.exact else "")
-        parts = [f"{what} int{c.bits}" for what, c in (("weights", self.all_gather), ("grads", self.reduce_scatter)) if c]
+        parts = [f"{what} int{c.bits}" for what, c in (("weights", self.all_gather), ("grads", self.reduce_scatter))
+                 if c]
         return ", ".join(parts) + (f" (exact: {', '.join(self.exact)})" if self.exact else "")
 
 
@@ -492,7 +498,8 @@ def quantize_comms(model: nn.Module, *, weights: str | None = "int8", grads: str
         if not params:
             continue
         at = f"{prefix}." if prefix else ""
-        exact = [skip is not None and any(skip(at + n if n else prefix, sub) for n, sub in chain) for _, _, chain in params]
+        exact = [skip is not None and any(skip(at + n if n else prefix, sub) for n, sub in chain)
+                 for _, _, chain in params]
         kept = [name for (name, _, _), e in zip(params, exact) if e]
         if all(exact):
             report[prefix] = ModuleComms(None, None, kept)
@@ -503,7 +510,8 @@ def quantize_comms(model: nn.Module, *, weights: str | None = "int8", grads: str
                              "skip= that keeps the whole module exact or quantizes all of it")
         ag_params = [(n, p, e) for (n, p, _), e in zip(params, exact)]
         rs_params = [(n, p, e) for n, p, e in ag_params if p.requires_grad]  # frozen ones are in no reduce-scatter
-        ag = None if bits["weights"] is None else QuantAllGather(bits["weights"], block_size, _layout(label, ag_params), measure)
+        ag = None if bits["weights"] is None else QuantAllGather(bits["weights"], block_size, _layout(label, ag_params),
+                                                                 measure)
         rs = None
         if bits["grads"] is not None and not all(e for _, _, e in rs_params):
             rs = QuantReduceScatter(bits["grads"], block_size, _layout(label, rs_params), replicate, measure)

@@ -179,16 +179,17 @@ def _summary(done: list[str]) -> str:
     for entry in done:
         module, _, name = entry.rpartition(".")
         by_module.setdefault(module, []).append(name)
-    return "; ".join(f"{m}.{{{', '.join(names)}}}" if len(names) > 1 else f"{m}.{names[0]}" for m, names in by_module.items())
+    return "; ".join(f"{m}.{{{', '.join(names)}}}" if len(names) > 1 else f"{m}.{names[0]}"
+                     for m, names in by_module.items())
 
 
 def _warn_torch_sharded() -> None:
     torch_module = _torch_objects["FSDPModule"]
     found = [type(obj).__name__ for obj in gc.get_objects() if issubclass(type(obj), torch_module)]
     if found:
-        warnings.warn(f"fully_shard.install(): {len(found)} module(s) are already sharded by torch's FSDP2 (e.g. {found[0]}); "
-                      "they keep running on torch's code and isinstance(m, FSDPModule) is False for them from now on. "
-                      "Call fully_shard.install() before the framework shards the model.", stacklevel=3)
+        warnings.warn(f"fully_shard.install(): {len(found)} module(s) are already sharded by torch's FSDP2 (e.g. "
+                      f"{found[0]}); they keep running on torch's code and isinstance(m, FSDPModule) is False for them "
+                      "from now on. Call fully_shard.install() before the framework shards the model.", stacklevel=3)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,11 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help") or args == ["-m"]:
-        sys.exit("usage: python -m fully_shard.switch SCRIPT [ARGS...]  |  python -m fully_shard.switch -m MODULE [ARGS...]\n"
+        sys.exit("usage: python -m fully_shard.switch SCRIPT [ARGS...]  |  python -m fully_shard.switch -m MODULE "
+                 "[ARGS...]\n"
                  "runs SCRIPT (or MODULE) with torch's FSDP2 names resolving to fully_shard's (fully_shard.install())")
     done = install()
     if os.environ.get("RANK", "0") == "0":
-        print(f"fully_shard.switch: torch's FSDP2 names now resolve to fully_shard's: {_summary(done)}", file=sys.stderr)
+        print(f"fully_shard.switch: torch's FSDP2 names now resolve to fully_shard's: {_summary(done)}",
+              file=sys.stderr)
     if args[0] == "-m":
         sys.argv = args[1:]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)

@@ -43,18 +43,21 @@ def clip_grad_norm_(
         (True, 1.0)
     """
     norm_type = float(norm_type)
-    groups: dict[Any, list[torch.Tensor]] = {}  # (mesh, its dims the gradients are sharded over) or None (plain) -> gradients
+    # (mesh, its dims the gradients are sharded over) or None (plain) -> gradients
+    groups: dict[Any, list[torch.Tensor]] = {}
     for p in parameters:
         g = p.grad
         if isinstance(g, DTensor):  # partial values (rare for gradients): no dims, DTensor reduces them
             dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            groups.setdefault((g.device_mesh, None if any(pl.is_partial() for pl in g.placements) else dims), []).append(g)
+            groups.setdefault((g.device_mesh, None if any(pl.is_partial() for pl in g.placements) else dims),
+                              []).append(g)
         elif g is not None:
             groups.setdefault(None, []).append(g)
     if not groups:
         return torch.tensor(0.0)
     norms = [_group_norm(key, grads, norm_type) for key, grads in groups.items()]
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    total = (norms[0] if len(norms) == 1
+             else torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type))
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in (g for grads in groups.values() for g in grads):

@@ -32,7 +32,8 @@ class _SameEverywhere:
         dist.all_gather_object(gathered, (kind, what, inp.numel(), str(inp.dtype)), group=group)
         if any(f != gathered[0] for f in gathered):
             ranks = dist.get_process_group_ranks(group)
-            lines = "\n".join(f"  rank {r}: {f[0]} {f[1]!r}, {f[2]} elements of {f[3]}" for r, f in zip(ranks, gathered))
+            lines = "\n".join(f"  rank {r}: {f[0]} {f[1]!r}, {f[2]} elements of {f[3]}"
+                              for r, f in zip(ranks, gathered))
             raise CollectiveMismatchError(
                 f"fully_shard debug mode: collective #{index} of the group of ranks {ranks} differs "
                 f"across ranks:\n{lines}\nEvery rank must run the same modules in the same order "

@@ -63,12 +63,13 @@ class FaultTolerantHSDP:
         self.manager, self.model, self.optimizer, self.group = manager, model, optimizer, group
         fsdp_modules = [m for m in model.modules() if callable(getattr(m, "set_all_reduce_hook", None))]
         if not fsdp_modules:
-            raise ValueError(f"FaultTolerantHSDP: {type(model).__name__} has no FSDP module: call fully_shard (on a 1-D "
-                             "mesh over this replica group's ranks) on its blocks and on the model first")
+            raise ValueError(f"FaultTolerantHSDP: {type(model).__name__} has no FSDP module: call fully_shard (on a "
+                             "1-D mesh over this replica group's ranks) on its blocks and on the model first")
         for name, p in model.named_parameters():
             if isinstance(p, DTensor) and p.device_mesh.ndim > 1 and p.placements[0].is_replicate():
                 raise ValueError(f"FaultTolerantHSDP: parameter '{name}' is on a {p.device_mesh.ndim}-D mesh: the "
-                                 "replicate dimension is torchft's, so shard each group over a 1-D mesh of its own ranks")
+                                 "replicate dimension is torchft's, so shard each group over a 1-D mesh of its own "
+                                 "ranks")
         hook = _all_reduce_hook(manager)
         for m in fsdp_modules:
             cast(Any, m).set_all_reduce_hook(hook)
@@ -82,8 +83,8 @@ class FaultTolerantHSDP:
         try:
             self.manager.start_quorum(shrink_only=shrink_only)
         except Exception as e:
-            raise RuntimeError(f"fully_shard.tools.ft: no quorum for step {self.manager.current_step() + 1}: the torchft "
-                               "Lighthouse (or this group's manager, on its rank 0) did not answer in time "
+            raise RuntimeError(f"fully_shard.tools.ft: no quorum for step {self.manager.current_step() + 1}: the "
+                               "torchft Lighthouse (or this group's manager, on its rank 0) did not answer in time "
                                f"({type(e).__name__}: {e}); is the Lighthouse running, and TORCHFT_LIGHTHOUSE (or "
                                "lighthouse_addr) its address?") from e
 
@@ -153,7 +154,8 @@ def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
                 for p in group["params"]:
                     entry = optimizer.state.get(p)
                     if entry:
-                        state[names[p]] = {k: _local(v).detach() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                        state[names[p]] = {k: _local(v).detach() if isinstance(v, torch.Tensor) else v
+                                           for k, v in entry.items()}
                         dtensors[names[p]] = [k for k, v in entry.items() if isinstance(v, DTensor)]
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             out["optim"] = {"state": state, "dtensors": dtensors, "param_groups": groups}
@@ -163,12 +165,13 @@ def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(f"fully_shard.tools.ft: the state received for {what} is {tuple(src.shape)} {src.dtype}, this "
-                         f"rank holds {tuple(dst.shape)} {dst.dtype}: every replica group must build the same model and "
-                         "shard it over the same number of ranks")
+                         f"rank holds {tuple(dst.shape)} {dst.dtype}: every replica group must build the same model "
+                         "and shard it over the same number of ranks")
     dst.copy_(src)
 
 
-def load_sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+def load_sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                            state: dict[str, Any]) -> None:
     """Copy a :func:`sharded_state_dict` of the same rank of another replica group into ``model`` and ``optimizer``,
     in place (an optimizer state this rank does not have yet is created, DTensors laid out like their parameters).
 
@@ -182,8 +185,8 @@ def load_sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optim
     own = dict([*model.named_parameters(), *model.named_buffers()])
     if set(own) != set(state["model"]):
         diff = sorted(set(own) ^ set(state["model"]))
-        raise ValueError(f"fully_shard.tools.ft: the state received names other tensors than this model's ({diff[:3]}): "
-                         "every replica group must build the same model")
+        raise ValueError("fully_shard.tools.ft: the state received names other tensors than this model's "
+                         f"({diff[:3]}): every replica group must build the same model")
     with torch.no_grad():
         for name, t in own.items():
             _copy_into(_local(t), state["model"][name].to(_local(t).device), f"'{name}'")

@@ -119,7 +119,8 @@ class CommTrace:
             y = groups.index(r["group"])
             width = max(r["end_ms"] - r["start_ms"], 0.05)
             hatch = "//" if r["phase"] == "backward" else None
-            ax.barh(y, width, left=r["start_ms"], color=colours.get(r["kind"], "grey"), hatch=hatch, edgecolor="black", linewidth=0.3)
+            ax.barh(y, width, left=r["start_ms"], color=colours.get(r["kind"], "grey"), hatch=hatch, edgecolor="black",
+                    linewidth=0.3)
         ax.set_yticks(range(len(groups)), groups)
         ax.set_xlabel("ms since trace start (hatched: backward)")
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]

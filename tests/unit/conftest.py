@@ -1,4 +1,5 @@
-"""Every unit test starts and ends with fully_shard's one process-wide object, ``comm.monitor``, at its start-up state."""
+"""Every unit test starts and ends with fully_shard's one process-wide object, ``comm.monitor``, at its start-up
+state."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 @contextlib.contextmanager
 def fake_world(shape: tuple[int, ...], rank: int = 0, names: tuple[str, ...] | None = None) -> Iterator[DeviceMesh]:
-    """This process as ``rank`` of ``prod(shape)`` ranks on a fake process group, and a CPU mesh of ``shape`` over them."""
+    """This process as ``rank`` of ``prod(shape)`` ranks on a fake process group, and a CPU mesh of ``shape`` over
+    them."""
     assert not dist.is_initialized(), "a process group is already initialised in this process"
     world = 1
     for n in shape:

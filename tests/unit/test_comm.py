@@ -32,7 +32,8 @@ def test_all_gather_packs_each_shard_at_its_slot_in_this_ranks_block() -> None:
         assert seen == [("all_gather", "all-gather of x", 4, 6)]
         work.wait()
         event = seen[1]
-        assert (event.kind, event.nbytes, event.group_size, event.label, event.backward) == ("all_gather", 24, 4, "x", False)
+        assert ((event.kind, event.nbytes, event.group_size, event.label, event.backward)
+                == ("all_gather", 24, 4, "x", False))
         assert event.end is not None and event.end >= event.start
 
 
@@ -70,7 +71,8 @@ def test_reduce_scatter_input_is_the_chunk_concatenated_gradients(dtype: torch.d
     with fake_world((4,), 1) as mesh:
         events: list[comm.CollectiveEvent] = []
         comm.add_observer(events.append)
-        grads = [torch.arange(1.0, 11.0).view(5, 2), torch.arange(1.0, 5.0)]  # 5 rows in slots of 2: rank 2 has 1, rank 3 none
+        # 5 rows in slots of 2: rank 2 has 1, rank 3 none
+        grads = [torch.arange(1.0, 11.0).view(5, 2), torch.arange(1.0, 5.0)]
         work = comm.reduce_scatter(grads, _ranks(mesh), dtype, dp_size=4, divide_factor=factor, force_sum=False,
                                    what="reduce-scatter of x", label="x")
         assert work.input is not None and work.input.shape == (4, 4 + 1) and work.input.dtype == dtype
@@ -79,7 +81,8 @@ def test_reduce_scatter_input_is_the_chunk_concatenated_gradients(dtype: torch.d
         padded = torch.tensor([[9.0, 10, 0, 0, 3], [0, 0, 0, 0, 4]], dtype=dtype) / (pre or 1)  # padding: zeros
         assert torch.equal(work.input[2:], padded)
         assert work.post_divide == post
-        assert work.all_reduce_op == (dist.ReduceOp.AVG if factor is None and dtype is torch.float32 else dist.ReduceOp.SUM)
+        assert work.all_reduce_op == (dist.ReduceOp.AVG if factor is None and dtype is torch.float32
+                                      else dist.ReduceOp.SUM)
         output = work.wait()
         assert output.shape == (5,) and work.input is None  # the input is dropped once waited for
         assert [(e.kind, e.nbytes) for e in events] == [("reduce_scatter", 4 * 5 * dtype.itemsize)]

@@ -37,7 +37,8 @@ dims = st.integers(0, 9)  # include sizes 0 and below the world size
 @st.composite
 def row_cases(draw: Any) -> tuple[tuple[int, ...], int]:
     """A shape (1-3 dims, any sizes) and a world size: sharded on dim 0, padded."""
-    return tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=1)) + draw(st.lists(dims, max_size=2))), draw(worlds)
+    return (tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=1)) + draw(st.lists(dims, max_size=2))),
+            draw(worlds))
 
 
 @st.composite
@@ -162,7 +163,8 @@ def test_reduce_scatter_rows_are_each_ranks_parts(cases: list[tuple[tuple[int, .
     per_param = [_layouts(shape, world, dim) for shape, _, dim in cases]
     cols = sum(lays[0].slot_numel for lays in per_param)
     inp = torch.full((world, cols), float("nan"), dtype=torch.float64)
-    torch._chunk_cat([lays[0].grad_for_reduce(g) for g, lays in zip(grads, per_param)], dim=0, num_chunks=world, out=inp)
+    torch._chunk_cat([lays[0].grad_for_reduce(g) for g, lays in zip(grads, per_param)], dim=0, num_chunks=world,
+                     out=inp)
     for rank in range(world):
         layouts = [lays[rank] for lays in per_param]
         parts = reduced_parts(layouts, inp[rank])
@@ -254,7 +256,8 @@ def _containers(leaves: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
                      st.builds(Pair, leaves, leaves), st.builds(Out, leaves, leaves))
 
 
-structures = st.recursive(st.one_of(st.integers(), st.none(), st.just("s"), st.builds(lambda n: torch.full((2,), n), st.integers(0, 9))),
+structures = st.recursive(st.one_of(st.integers(), st.none(), st.just("s"),
+                                    st.builds(lambda n: torch.full((2,), n), st.integers(0, 9))),
                           _containers, max_leaves=12)
 
 

@@ -64,7 +64,8 @@ def test_k_rank_groups_are_made_once_per_world_and_ranks(rank: int) -> None:
     copies of the sub-mesh yet create the same groups in the same order (new_group is collective); a new world makes
     its own, and the old world's groups go with it."""
     for _ in range(2):
-        with fake_world((2, 4), rank, ("rep", "shard")) as mesh, mock.patch.object(dist, "new_group", wraps=dist.new_group) as made:
+        with fake_world((2, 4), rank, ("rep", "shard")) as mesh, mock.patch.object(dist, "new_group",
+                                                                                   wraps=dist.new_group) as made:
             a, b = mesh_info_for(mesh["shard"]), mesh_info_for(mesh["shard"])
             keep = [resolve_reshard_after_forward(2, info, [("w", info)])[1][id(info)] for info in (a, b)]
             assert keep[0] is keep[1] and (keep[0].size, keep[0].rank) == (2, rank % 2)

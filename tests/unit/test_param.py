@@ -62,7 +62,8 @@ def _gather(sp: ShardedParam, full: torch.Tensor) -> None:
         part = layout_for(lay.size, lay.dim, lay.world, r, "w").local_part(full)
         slots[r, : part.numel()] = part.reshape(-1)
     sp.alloc_unsharded()
-    comm.copy_out(comm.CollectiveWork(None, None, slots.view(-1), lay.world, "test"), [lay.slot_numel], [sp.gather_dest(lay.world)])
+    comm.copy_out(comm.CollectiveWork(None, None, slots.view(-1), lay.world, "test"), [lay.slot_numel],
+                  [sp.gather_dest(lay.world)])
 
 
 @pytest.mark.parametrize(("shape", "shard_dim"), [((10, 3), 0), ((3, 1), 0), ((3, 8), 1), ((2, 4, 3), -2)])
@@ -72,7 +73,8 @@ def test_plain_parameter_at_every_rank_matches_torch(shape: tuple[int, ...], sha
     for rank in range(4):
         with fake_world((4,), rank) as mesh:
             sp = _sharded(nn.Parameter(full.clone()), mesh, shard_dim)
-            assert type(sp.layout) is (RowLayout if shard_dim == 0 else EvenLayout) and type(sp.mesh_layout) is MeshLayout
+            assert (type(sp.layout) is (RowLayout if shard_dim == 0 else EvenLayout)
+                    and type(sp.mesh_layout) is MeshLayout)
             _same_sharding(sp.sharded_param, _torch_sharded(nn.Parameter(full.clone()), mesh, shard_dim))
             _gather(sp, full)
             assert isinstance(sp.unsharded_param, nn.Parameter) and not isinstance(sp.unsharded_param, DTensor)
@@ -96,7 +98,8 @@ def test_full_tensor_loads_as_this_ranks_part() -> None:
 
 def test_uneven_other_dim_and_scalar_are_refused() -> None:
     with fake_world((4,)) as mesh:
-        with pytest.raises(ValueError, match=r"'w' of shape \(3, 6\) on Shard\(1\), which 4 ranks do not divide evenly"):
+        with pytest.raises(ValueError,
+                           match=r"'w' of shape \(3, 6\) on Shard\(1\), which 4 ranks do not divide evenly"):
             _sharded(nn.Parameter(torch.zeros(3, 6)), mesh, 1)
         with pytest.raises(ValueError, match="cannot shard the scalar parameter 'w'"):
             _sharded(nn.Parameter(torch.zeros(())), mesh)
@@ -115,7 +118,8 @@ def test_hsdp_replicates_on_the_first_mesh_dim() -> None:
     (Shard(1), 0, (Shard(0), Shard(1))),  # rowwise
     (Shard(1), 1, (_StridedShard(1, split_factor=2), Shard(1))),
 ])
-def test_tensor_parallel_parameter_joins_the_meshes(tp_placement: Shard, shard_dim: int, expected: tuple[Any, ...]) -> None:
+def test_tensor_parallel_parameter_joins_the_meshes(tp_placement: Shard, shard_dim: int,
+                                                    expected: tuple[Any, ...]) -> None:
     with fake_world((2, 2), 1, ("dp", "tp")) as mesh:
         local = torch.randn(4, 6)  # this rank's TP part
         param = nn.Parameter(DTensor.from_local(local, mesh["tp"], [tp_placement], run_check=False))
@@ -125,7 +129,8 @@ def test_tensor_parallel_parameter_joins_the_meshes(tp_placement: Shard, shard_d
         _same_sharding(sp.sharded_param, _torch_sharded(param, mesh["dp"], shard_dim))
         _gather(sp, local)
         unsharded = sp.unsharded_param
-        assert isinstance(unsharded, DTensor) and unsharded.placements == (tp_placement,)  # what the module computes with
+        # what the module computes with
+        assert isinstance(unsharded, DTensor) and unsharded.placements == (tp_placement,)
         assert torch.equal(unsharded.to_local(), local)
         # its gradient: the TP-local tensor; one in the TP placements is taken as it is
         grad = DTensor.from_local(torch.ones(4, 6), mesh["tp"], [tp_placement], run_check=False)
@@ -156,10 +161,12 @@ def test_dp_mesh_dims_parameter_matches_torch(shape: tuple[int, ...], names: tup
 def test_dp_mesh_dims_refuses_plain_and_dp_sharded_parameters() -> None:
     with fake_world((2, 2), 0, ("dp", "tp")) as mesh:
         dims = DataParallelMeshDims(shard="dp")
-        with pytest.raises(ValueError, match="parameter 'w' must be a DTensor on the mesh passed to fully_shard.*a plain tensor"):
+        with pytest.raises(ValueError,
+                           match="parameter 'w' must be a DTensor on the mesh passed to fully_shard.*a plain tensor"):
             _sharded(nn.Parameter(torch.zeros(4, 4)), mesh, dims=dims)
         on_dp = DTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0), Replicate()], run_check=False)
-        with pytest.raises(ValueError, match=r"'w' has placement S\(0\) on the data-parallel mesh dim 'dp'; it must be Replicate"):
+        with pytest.raises(ValueError,
+                           match=r"'w' has placement S\(0\) on the data-parallel mesh dim 'dp'; it must be Replicate"):
             _sharded(nn.Parameter(on_dp), mesh, dims=dims)
 
 
@@ -208,7 +215,8 @@ def test_local_tensor_that_gathers_itself() -> None:
         with pytest.raises(NotImplementedError, match="'w' all-gathers itself .* reshard_after_forward=<int>"):
             sp.keep_post_forward_slice(2, 0)
         sp.free_unsharded()
-        assert sp.self_gather.outputs is not None and all(t.untyped_storage().size() == 0 for t in sp.self_gather.outputs)
+        assert sp.self_gather.outputs is not None and all(t.untyped_storage().size() == 0
+                                                          for t in sp.self_gather.outputs)
         sp.self_gather.all_gather_inputs()
         comm.copy_out(comm.CollectiveWork(None, None, output, 4, "test"), nbytes, sp.self_gather.gather_dests())
         sp.self_gather.post_all_gather()
@@ -246,7 +254,8 @@ def test_dtype_change_follows_into_the_spec_and_the_unsharded_buffer() -> None:
     with fake_world((2,)) as mesh:
         sp = _sharded(nn.Parameter(torch.randn(4, 2)), mesh)
         _gather(sp, torch.zeros(4, 2))
-        torch.utils.swap_tensors(sp.sharded_param, nn.Parameter(sp.sharded_param.detach().double()))  # as model.double()
+        # as model.double()
+        torch.utils.swap_tensors(sp.sharded_param, nn.Parameter(sp.sharded_param.detach().double()))
         sp.refresh_after_apply()
         assert sp.dtype == sp.unsharded_dtype == torch.float64 and sp.unsharded_param is None
         assert sp.to_sharded_dtensor(torch.zeros(2, 2, dtype=torch.float64)).dtype == torch.float64

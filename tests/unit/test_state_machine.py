@@ -21,7 +21,8 @@ from tests.unit.fake_pg import fake_world
 
 # each table, written out: "FROM -> TO" for every allowed move, all others refused
 _ALLOWED = {
-    "GroupState": {"SHARDED -> UNSHARDING", "SHARDED -> SHARDED", "POST_FORWARD -> UNSHARDING", "POST_FORWARD -> SHARDED",
+    "GroupState": {"SHARDED -> UNSHARDING", "SHARDED -> SHARDED", "POST_FORWARD -> UNSHARDING",
+                   "POST_FORWARD -> SHARDED",
                    "UNSHARDING -> UNSHARDED", "UNSHARDED -> SHARDED", "UNSHARDED -> POST_FORWARD"},
     "GradState": {"NONE -> DUE", "NONE -> AT_END", "NONE -> NONE", "DUE -> NONE", "DUE -> AT_END", "AT_END -> DUE"},
     "TrainingState": {"IDLE -> FORWARD", "IDLE -> IDLE", "IDLE -> PRE_BACKWARD", "IDLE -> POST_BACKWARD",
@@ -50,7 +51,8 @@ def test_each_allowed_transition_moves_and_each_other_raises(name: str) -> None:
         if f"{current.name} -> {new.name}" in _ALLOWED[name]:
             assert transition("it", table, current, new) is new
         else:
-            with pytest.raises(AssertionError, match=f"fully_shard internal error: it cannot go from {current.name} to {new.name}$"):
+            with pytest.raises(AssertionError,
+                               match=f"fully_shard internal error: it cannot go from {current.name} to {new.name}$"):
                 transition("it", table, current, new)
 
 
@@ -165,8 +167,8 @@ _SETTERS: list[tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any], bool]
     ("set_custom_all_gather", (_Comm(),), {}, {"all_gather_comm": None}, False),
     ("set_custom_reduce_scatter", (_Comm(),), {}, {"reduce_scatter_comm": None}, False),
     ("set_all_reduce_hook", (_hook,), {}, {"all_reduce_hook": _hook}, False),
-    ("set_allocate_memory_from_process_group_for_comm", (True,), {}, {"all_gather_comm": None, "reduce_scatter_comm": None},
-     False),
+    ("set_allocate_memory_from_process_group_for_comm", (True,), {},
+     {"all_gather_comm": None, "reduce_scatter_comm": None}, False),
 ]
 
 

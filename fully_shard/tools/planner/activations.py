@@ -72,7 +72,8 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def estimate_activations(model: nn.Module, batch_size: int, seq_len: int, compute_dtype: torch.dtype) -> ActivationEstimate:
+def estimate_activations(model: nn.Module, batch_size: int, seq_len: int,
+                         compute_dtype: torch.dtype) -> ActivationEstimate:
     """What autograd saves for backward in one forward of ``model`` (a ``transformers``
     Llama-family causal LM, with its ``config``) on ``batch_size`` sequences of ``seq_len``
     tokens, computing in ``compute_dtype``; see the module docstring for what is counted.

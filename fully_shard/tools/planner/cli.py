@@ -155,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         from .plot import save_memory_plot
 
-        print(f"memory over the step: {save_memory_plot(result, args.plot)}", file=sys.stderr if args.json else sys.stdout)
+        print(f"memory over the step: {save_memory_plot(result, args.plot)}",
+              file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

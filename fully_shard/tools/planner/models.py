@@ -42,7 +42,8 @@ def hf_model(config: str | dict[str, Any]) -> nn.Module:
     Example::
 
         >>> import transformers
-        >>> transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2).to_json_file("config.json")
+        >>> config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        >>> config.to_json_file("config.json")
         >>> with torch.device("meta"):
         ...     model = hf_model("config.json")
         >>> type(model).__name__, len(model.model.layers)

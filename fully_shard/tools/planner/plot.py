@@ -44,7 +44,8 @@ def memory_figure(plan: Plan) -> Any:
         if trace[i][0].split(":")[0] != trace[i - 1][0].split(":")[0]:
             ax.axvline(i, color="grey", linewidth=0.4, alpha=0.5)
     ax.set_xlabel("allocations and frees over one step (forward, backward, optimizer step)")
-    counted = f"activations of batch {plan.batch_size} x {plan.seq_len}" if plan.batch_size else "activations not included"
+    counted = (f"activations of batch {plan.batch_size} x {plan.seq_len}" if plan.batch_size
+               else "activations not included")
     ax.set_ylabel(f"device memory (GiB), {counted}")
     ax.set_title(f"fully_shard memory plan: {plan.model}, mesh {plan.mesh_shape}, rank {plan.rank}", fontsize=9)
     ax.set_ylim(0, totals[top] / gib * 1.25)

@@ -227,7 +227,8 @@ def format_plan(p: Plan) -> str:
         f"  {fmt_count(p.num_params)} parameters on mesh {mesh}: {kind}, {p.shard_size}-way shard, "
         f"rank {p.rank}, device {p.device_type}",
         f"  sharded {storage}; all-gather/compute {p.param_dtype or storage}; reduce "
-        f"{p.reduce_dtype or p.param_dtype or storage}; optimizer {p.optimizer}; offload {'on' if p.offload else 'off'}",
+        f"{p.reduce_dtype or p.param_dtype or storage}; optimizer {p.optimizer}; offload "
+        f"{'on' if p.offload else 'off'}",
         f"  reshard_after_forward={raf_text}",
     ]
     if p.batch_size is not None:
