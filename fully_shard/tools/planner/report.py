@@ -214,7 +214,7 @@ def format_plan(p: Plan) -> str:
 
         >>> print(format_plan(plan("llama3-8b", 64)))
         fully_shard memory plan: llama3-8b
-          8.03B parameters on mesh 64: FSDP, 64-way shard, rank 0, device cuda
+          8.03B parameters on mesh 64: FSDP, 64-way shard, rank 0, device ...
         ...
     """
     kind = "FSDP" if p.replicate_size == 1 else f"HSDP ({p.replicate_size} replicas)"
