@@ -15,11 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from support.processes import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.long
 def test_quick_benchmark_writes_markdown_and_json(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = dict(os.environ)

@@ -185,6 +185,7 @@ def _measure(config: str) -> dict[str, Any]:
     return min(reports, key=lambda r: r["model_state"])
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("world", [2, 4])
 def test_planned_peak_matches_measured_step(world: int) -> None:
     """The planned peak against the peak a real step holds of parameters, gradients, optimizer state and in-flight

@@ -138,6 +138,7 @@ def _losses(stdout: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step\s+(\d+)/\d+ \| loss (\S+) \|", stdout, re.M)}
 
 
+@pytest.mark.long
 def test_train_resume_continues_the_loss_curve_bitwise(tmp_path: Any) -> None:
     # a stand-in for a missing tqdm, to check the fallback to plain log lines on the way
     no_tqdm = tmp_path / "no_tqdm"

@@ -268,6 +268,7 @@ def _draws(seeds: list[int]) -> list[str]:
     return errors
 
 
+@pytest.mark.long
 def test_property_random_call_mixes_match_unsharded() -> None:
     n = int(os.environ.get("FULLY_SHARD_PROPERTY_DRAWS", CI_DRAWS))
     results = run_distributed(_draws, 2, REGRESSION_SEEDS + list(range(n)), timeout=max(300.0, 3.0 * n))
