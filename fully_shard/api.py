@@ -18,8 +18,15 @@ from torch.distributed.tensor import Shard
 from .group import GroupOptions, ParamGroup
 from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
 from .param import OWNER_ATTR, ShardedParam, param_dtypes
-from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .state import STATE_ATTR, FSDPState, callers_self, state_of
+from .policy import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardedDeepcopyError,
+    ShardedUsageError,
+)
+from .state import STATE_ATTR, FSDPState, state_of
 from .streams import Streams, has_streams
 
 
@@ -43,16 +50,6 @@ class ShardPlacementResult:
     mesh_info: Any
 
 
-class ShardedUsageError(ValueError, AssertionError):
-    """A misuse of ``fully_shard`` (e.g. applying it twice to one module) that torch's FSDP2 reports with
-    ``AssertionError``. It is an instance of both, so either ``except`` catches it."""
-
-
-class ShardedDeepcopyError(RuntimeError, AssertionError):
-    """``copy.deepcopy`` of a sharded module, where torch's FSDP2 raises ``AssertionError``. Deep-copy the model
-    before ``fully_shard`` instead."""
-
-
 @dataclass(eq=False)
 class _Owner:
     """Which fully_shard call sharded a parameter, kept on the original and the sharded one (``OWNER_ATTR``): a later
@@ -73,6 +70,8 @@ class _ReplacedParameter(nn.Parameter):
 
     @property
     def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        from .tools.checks import callers_self
+
         owner: _Owner = self.__dict__[OWNER_ATTR]
         who = next((type(o).__name__ for o in callers_self() if isinstance(o, torch.optim.Optimizer)), "This code")
         raise RuntimeError(f"{who} holds parameter {owner.fqn!r} of {owner.label} as it was before fully_shard "

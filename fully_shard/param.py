@@ -19,6 +19,7 @@ from .policy import MixedPrecisionPolicy
 
 # on an original parameter and its sharded replacement: the fully_shard call owning them (``ShardedParam.owner``)
 OWNER_ATTR = "_fully_shard_owner"
+STATE_ATTR = "_fully_shard_state"  # on a module: its FSDPState (state.py)
 
 
 def param_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:

@@ -1,4 +1,4 @@
-"""User-facing policies: how parameters are cast and where sharded state lives."""
+"""User-facing policies (how parameters are cast and where sharded state lives) and the errors for misuse."""
 
 from __future__ import annotations
 
@@ -122,3 +122,13 @@ def _check_bool(policy: object, name: str) -> None:
     value = getattr(policy, name)
     if not isinstance(value, bool):
         raise TypeError(f"{type(policy).__name__}: {name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+class ShardedUsageError(ValueError, AssertionError):
+    """A misuse of ``fully_shard`` (e.g. applying it twice to one module) that torch's FSDP2 reports with
+    ``AssertionError``. It is an instance of both, so either ``except`` catches it."""
+
+
+class ShardedDeepcopyError(RuntimeError, AssertionError):
+    """``copy.deepcopy`` of a sharded module, where torch's FSDP2 raises ``AssertionError``. Deep-copy the model
+    before ``fully_shard`` instead."""

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from enum import Enum, IntEnum, auto
-from types import FrameType
 from typing import Any
 
 import torch
@@ -31,11 +29,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import Ranks, all_reduce, record_function
 from .group import GradState, GroupState, ParamGroup, PendingReduce, transition
-from .param import ShardedParam
+from .param import STATE_ATTR, ShardedParam
 from .policy import MixedPrecisionPolicy
 from .streams import Streams
-
-STATE_ATTR = "_fully_shard_state"
 
 
 def _not_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -613,19 +609,6 @@ def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
 
 def _floating_cast(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: t.to(dtype) if t.is_floating_point() else t
-
-
-def _stack() -> Iterator[FrameType]:
-    """The frames on the Python stack, innermost first."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
-
-
-def callers_self() -> Iterator[Any]:
-    """The ``self`` of every frame on the Python stack, innermost first (None where there is none)."""
-    return (frame.f_locals.get("self") for frame in _stack())
 
 
 def state_of(module: nn.Module) -> FSDPState:

@@ -1,10 +1,14 @@
-"""The core's checks that run once, or only on the way to an error: the root's first-forward refusals (a model
-whose own parameters nobody shards, ignored tensors that are no parameter, a parameter replaced after fully_shard) and
-module names for messages. Off the hot path: the core imports this module where it needs it."""
+"""The core's checks that run once, or only on the way to an error: the root's first-forward refusals (a model whose own
+parameters nobody shards, ignored tensors that are no parameter, a parameter replaced after fully_shard) and module
+names for messages. Off the hot path: the core imports this module where it needs it. It imports no module above it
+(``api``, ``state``: their objects are typed ``Any`` here), so the core's lazy imports of it close no import cycle."""
 
 from __future__ import annotations
 
 import gc
+import sys
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -12,11 +16,23 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ..param import OWNER_ATTR
-from ..state import STATE_ATTR, FSDPState, _stack, callers_self
+from ..param import OWNER_ATTR, STATE_ATTR
 
 
-def check_enclosing_model(root: FSDPState) -> None:
+def _stack() -> Iterator[FrameType]:
+    """The frames on the Python stack, innermost first."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def callers_self() -> Iterator[Any]:
+    """The ``self`` of every frame on the Python stack, innermost first (None where there is none)."""
+    return (frame.f_locals.get("self") for frame in _stack())
+
+
+def check_enclosing_model(root: Any) -> None:
     """Refuse a root inside a model whose own trainable parameters nobody shards (the forgotten
     ``fully_shard(model)``: each rank would train its own copy of them). The enclosing model is the outermost
     module whose forward is running, on the Python stack."""
@@ -51,7 +67,7 @@ def check_enclosing_model(root: FSDPState) -> None:
                            "that call's ignored_params.")
 
 
-def check_ignored(root: FSDPState, states: list[FSDPState]) -> None:
+def check_ignored(root: Any, states: list[Any]) -> None:
     """Refuse an ignored tensor that is no module's parameter (e.g. an EMA copy of one): it leaves nothing out of
     sharding. Decided here, where the whole model is known: torch's idiom passes one set to every call, so a call's
     set also holds other calls' parameters (some replaced by the sharded ones), and other roots'."""
@@ -91,7 +107,7 @@ def _known_as(t: torch.Tensor, buffers: dict[int, str]) -> str:
     return ""
 
 
-def raise_replaced(state: FSDPState, fqn: str, module: nn.Module, name: str, now: Any) -> None:
+def raise_replaced(state: Any, fqn: str, module: nn.Module, name: str, now: Any) -> None:
     """The error for a parameter replaced after fully_shard (``FSDPState._check_registered_params``)."""
     root = state.modules[0]
     where = next((f"{m_name}.{name}".lstrip(".") for m_name, m in root.named_modules() if m is module), fqn)

@@ -1,22 +1,24 @@
 """Communication buffers from a pool: the options ``set_allocate_memory_from_process_group_for_comm`` and
 ``set_symm_mem_for_comm`` (torch 2.13's controls) set, their checks, and the warning for accelerator tensors carried
-over gloo. Off the hot path: the core imports this module only where these are used."""
+over gloo. Off the hot path: the core imports this module only where these are used. It imports no module above it
+(``api``, ``state``: their objects are typed ``Any`` here), so the core's lazy imports of it close no import cycle."""
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..api import FSDPModule, ShardedUsageError
 from ..comm import PoolComm
 from ..group import GroupOptions, ParamGroup
+from ..policy import ShardedUsageError
 from ..streams import has_streams
 
 
-def process_group_pool(module: FSDPModule, group: ParamGroup, enable: bool) -> GroupOptions:
+def process_group_pool(module: Any, group: ParamGroup, enable: bool) -> GroupOptions:
     """``set_allocate_memory_from_process_group_for_comm``'s options for ``group``."""
     check_own_comms(module, "set_allocate_memory_from_process_group_for_comm", group, False)
     rs_group = group.options.reduce_scatter_groups.get(id(group.mesh_info), group.mesh_info.shard.group)
@@ -25,7 +27,7 @@ def process_group_pool(module: FSDPModule, group: ParamGroup, enable: bool) -> G
     return replace(group.options, all_gather_comm=all_gather, reduce_scatter_comm=reduce_scatter)
 
 
-def symm_mem_pool(module: FSDPModule, group: ParamGroup, backend: str) -> GroupOptions:
+def symm_mem_pool(module: Any, group: ParamGroup, backend: str) -> GroupOptions:
     """``set_symm_mem_for_comm``'s options for ``group``."""
     pg, device, o = group.mesh_info.shard.group, group.device, group.options
     found = backend_name(pg, device)
@@ -64,7 +66,7 @@ def warn_gloo_on_accelerator(pg: dist.ProcessGroup, device: torch.device) -> Non
                   "init_process_group('nccl'), and torchrun --nproc-per-node at most the device count.", stacklevel=3)
 
 
-def check_own_comms(module: FSDPModule, method: str, group: ParamGroup, symmetric: bool) -> None:
+def check_own_comms(module: Any, method: str, group: ParamGroup, symmetric: bool) -> None:
     """Refuse to replace a user's Comm (``set_custom_*``) or the other kind of pool, as torch does."""
     for comm in (group.all_gather_comm, group.reduce_scatter_comm):
         if comm is not None and getattr(comm, "symmetric", None) is not symmetric:
@@ -73,7 +75,7 @@ def check_own_comms(module: FSDPModule, method: str, group: ParamGroup, symmetri
                                     "allocates its buffers itself: call only one of these, as in torch.")
 
 
-def check_symm_buffers(module: FSDPModule, max_input_buffers: int, symmetric: bool) -> None:
+def check_symm_buffers(module: Any, max_input_buffers: int, symmetric: bool) -> None:
     if max_input_buffers > 1 and symmetric:  # torch's rule: the symmetric pool would keep one segment per input
         raise ValueError(f"{type(module).__name__}: set_reduce_scatter_max_input_buffers({max_input_buffers}) is not "
                          "supported with a symmetric-memory reduce-scatter (set_symm_mem_for_comm with force-sum "

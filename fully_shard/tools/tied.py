@@ -1,6 +1,7 @@
 """Parameters tied across ``fully_shard`` calls (Note [tied parameters], docs/design.md): the refusal of a tie whose
 calls shard it differently, and the one-time warning where two groups keep such a parameter gathered at once. Off the
-hot path: the core imports this module only where a parameter is tied across calls."""
+hot path: the core imports this module only where a parameter is tied across calls. It imports no module above it
+(``api``, ``state``: their objects are typed ``Any`` here), so the core's lazy imports of it close no import cycle."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..api import FSDPModule
-from ..state import FSDPState
 from .checks import module_paths
+
+
+def _user_class(module: nn.Module) -> type:
+    """The class a module had before fully_shard swapped it for ``FSDP<Class>`` (bases: FSDPModule, the class)."""
+    bases = type(module).__bases__
+    swapped = len(bases) == 2 and bases[0].__name__ == "FSDPModule" and bases[0].__module__ == "fully_shard.api"
+    return bases[1] if swapped else type(module)
 
 
 def _names(fqn: str, modules: tuple[nn.Module, ...], owner: Any) -> tuple[str, str, str, str]:
@@ -25,7 +31,7 @@ def _names(fqn: str, modules: tuple[nn.Module, ...], owner: Any) -> tuple[str, s
         index, rest = local.split(".", 1) if len(mods) > 1 else ("0", local)
         base = paths.get(id(mods[int(index)]))
         # FSDP<cls>
-        classes = [(type(m).__bases__[1] if type(m).__bases__[0] is FSDPModule else type(m)).__name__ for m in mods]
+        classes = [_user_class(m).__name__ for m in mods]
         calls = [f"{paths[id(m)]} ({c})" if paths.get(id(m)) else c for m, c in zip(mods, classes)]
         call = calls[0] if len(mods) == 1 else "[" + ", ".join(calls) + "]"
         return None if base is None else (call, f"{base}.{rest}" if base else rest)
@@ -59,7 +65,7 @@ def check_alike(fqn: str, modules: tuple[nn.Module, ...], first: Any,
                      "offload_policy and mp_policy to both calls, or both modules to one call, fully_shard([a, b]).")
 
 
-def warn_held_twice(root: FSDPState, states: list[FSDPState]) -> None:
+def warn_held_twice(root: Any, states: list[Any]) -> None:
     """At lazy init, once per parameter tied across calls: where two or more of the groups gathering it keep it between
     forward and backward (``reshard_after_forward=False``, the root's default), each holds a full copy at the peak of
     activation memory, where one would do. Names the one call over its modules that holds one copy: those calls'
