@@ -841,6 +841,7 @@ def test_int_reshard_after_forward_with_subclass_on_another_mesh_matches_torch_f
     assert theirs[0]["comms"].count("all_gather") == 4, theirs[0]["comms"]
 
 
+@pytest.mark.long
 def test_int_reshard_after_forward_on_an_expert_sub_mesh() -> None:
     """8 ranks, the experts Shard(1) on the 4-rank sub-mesh ``efsdp`` of a (2, 4) mesh: its
     ``.mesh`` holds this rank's copy only, yet every rank must create the k-rank groups of both

@@ -350,6 +350,7 @@ def _compiled(backend: str) -> list[str]:
     return errors
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_step(backend: str) -> None:
     for rank, errors in enumerate(run_distributed(_compiled, 2, backend)):

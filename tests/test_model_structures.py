@@ -36,6 +36,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -696,6 +697,7 @@ WS4_CASES: list[tuple[str, tuple[Any, ...]]] = [
 ]
 
 
+@pytest.mark.long
 def test_ws4() -> None:
     """Every case at world size 4 (uneven shards: 67 -> 17,17,17,16 rows, 150 -> 38,38,38,36,
     the 1-row logit_scale on rank 0 only), in one body call to keep pool time down."""

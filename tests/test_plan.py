@@ -266,6 +266,7 @@ def test_plan_lays_out_torch_chunks_at_64_ranks() -> None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "fully_shard.plan", "--model", "llama3-8b", "--mesh", "64"],
@@ -618,6 +619,7 @@ def _printed_lines(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[
     return capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.long
 def test_cli_table_fits_100_columns(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Every printed line, table, header and footer, is at most 100 characters: for each
     preset, HSDP with offload (more lines, a note), activations with AC, and a config.json

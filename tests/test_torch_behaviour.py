@@ -218,7 +218,7 @@ _SPOT = [
 @pytest.mark.parametrize(
     "world_size, program, combos",
     [
-        (2, "torchtitan", _SWEEP),
+        pytest.param(2, "torchtitan", _SWEEP, marks=pytest.mark.long),
         (2, "accumulate", _SPOT),
         (2, "one", _SPOT),
         (2, "two_forwards", _SPOT),
