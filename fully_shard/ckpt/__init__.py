@@ -4,7 +4,8 @@ Crash-safe saves (:func:`save_checkpoint`, :class:`CheckpointManager` with an in
 keep-latest-k and ``dcp.async_save``), finding the newest complete checkpoint
 (:func:`latest_checkpoint`), and converting a sharded checkpoint into one file
 (:func:`consolidate`, or ``python -m fully_shard.ckpt.convert CKPT OUT``, like
-DeepSpeed's ``zero_to_fp32.py``). Not imported by ``import fully_shard``.
+DeepSpeed's ``zero_to_fp32.py``). Every loader here runs no code from the checkpoint
+(:class:`SafeFileSystemReader`, also a reader for your own ``dcp.load``). Not imported by ``import fully_shard``.
 
 Example::
 
@@ -25,12 +26,17 @@ from .manager import (
     list_checkpoints,
     save_checkpoint,
 )
+from .safe import SafeFileSystemReader, UnsafeCheckpointError, load_checkpoint, read_metadata
 
 __all__ = [
     "CheckpointManager",
+    "SafeFileSystemReader",
+    "UnsafeCheckpointError",
     "consolidate",
     "latest_checkpoint",
     "list_checkpoints",
+    "load_checkpoint",
     "load_consolidated",
+    "read_metadata",
     "save_checkpoint",
 ]

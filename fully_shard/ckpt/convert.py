@@ -2,7 +2,9 @@
 
 The counterpart of DeepSpeed's ``zero_to_fp32.py``: it runs on one process, needs no
 process group and no GPU, and reads every shard of every tensor from the checkpoint
-directory (``dcp.load`` with ``no_dist=True``), whatever world size saved it.
+directory (``dcp.load`` with ``no_dist=True``), whatever world size saved it. It runs no code from the
+checkpoint (:class:`~fully_shard.ckpt.SafeFileSystemReader`): a poisoned one is refused with an error
+naming the file.
 
 Command line::
 
@@ -18,9 +20,9 @@ import sys
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .safe import UnsafeCheckpointError, load_checkpoint, read_metadata
 
 __all__ = ["consolidate", "load_consolidated"]
 
@@ -39,6 +41,10 @@ def load_consolidated(
             in the checkpoint under its full dotted name.
         dtype: cast floating-point tensors to this dtype (default: as saved).
 
+    Raises:
+        UnsafeCheckpointError: the checkpoint names a global outside DCP's metadata classes
+            (:class:`~fully_shard.ckpt.SafeFileSystemReader`); nothing from it was run.
+
     Example::
 
         >>> from fully_shard.ckpt import save_checkpoint
@@ -55,7 +61,7 @@ def load_consolidated(
             f"{path!r} is not a complete DCP checkpoint (no .metadata): pass a step directory such as "
             "ckpt/step_1000, e.g. fully_shard.ckpt.latest_checkpoint('ckpt')"
         )
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = read_metadata(os.path.join(path, ".metadata")).state_dict_metadata  # allowlisted: runs no code
     prefix = "" if key is None else key + "."
     state = {
         name: torch.empty(md.size, dtype=md.properties.dtype)
@@ -67,7 +73,7 @@ def load_consolidated(
         raise KeyError(f"{path!r} has no tensors under {key!r}: its top-level keys are {tops}; pass one as key")
     with warnings.catch_warnings():  # one process on purpose: DCP's "assuming ... single process" note
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        load_checkpoint(state, path, no_dist=True)
     out = {}
     for name, tensor in state.items():
         if dtype is not None and tensor.is_floating_point():
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state = consolidate(args.checkpoint, args.output, key=args.key or None,
                             dtype=None if args.dtype is None else _DTYPES[args.dtype])
-    except (FileNotFoundError, KeyError, ImportError) as e:
+    except (FileNotFoundError, KeyError, ImportError, UnsafeCheckpointError) as e:
         parser.error(str(e))
     total = sum(t.numel() * t.element_size() for t in state.values())
     print(f"wrote {args.output}: {len(state)} tensors, {total:,} bytes")

@@ -59,6 +59,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from .safe import load_checkpoint
+
 __all__ = ["CheckpointManager", "latest_checkpoint", "list_checkpoints", "save_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -272,11 +274,16 @@ class CheckpointManager:
 
     def load_latest(self, state: dict[str, Any]) -> dict[str, Any] | None:
         """Load the newest complete checkpoint into ``state`` in place (``dcp.load``, each
-        rank reading its shards) and return it, or None when there is no checkpoint."""
+        rank reading its shards) and return it, or None when there is no checkpoint.
+
+        It runs no code from the checkpoint (:func:`~fully_shard.ckpt.load_checkpoint`): a file
+        that names anything but DCP's metadata classes, or an entry that ``torch.load`` refuses
+        with ``weights_only=True``, raises :class:`~fully_shard.ckpt.UnsafeCheckpointError`
+        naming the file."""
         path = self.latest()
         if path is None:
             return None
-        dcp.load(state, checkpoint_id=path, process_group=self.process_group)
+        load_checkpoint(state, path, process_group=self.process_group)
         return state
 
     def _finish(self, tmp: str) -> str:
