@@ -96,6 +96,7 @@ class RootContext:
         self.resolve_max_in_flight()
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
+        self.foreign_ignored: list[nn.Parameter] = []  # ignored parameters of modules outside the model, until checked
 
     def finish_reduce(self, keep: int = 0) -> None:
         """Finish the oldest reductions until at most ``keep`` are in flight."""
@@ -304,7 +305,7 @@ class FSDPState:
         from .tools.checks import check_enclosing_model, check_ignored  # refusals of the whole model, once
 
         check_enclosing_model(self)
-        check_ignored(self, list(names))
+        ctx.foreign_ignored = check_ignored(self, list(names))  # warned about at the second forward, if still loose
         return ctx
 
     # -- forward -----------------------------------------------------------------------
@@ -359,6 +360,11 @@ class FSDPState:
         self._check_registered_params(ctx)
         ctx.streams.wait_for_optimizer(ctx.post_optim_event)
         ctx.post_optim_event = None
+        if ctx.foreign_ignored and ctx.forward_order:  # the second forward: every root sharing the set is sharded
+            from .tools.checks import warn_foreign_ignored
+
+            warn_foreign_ignored(self, ctx.states, ctx.foreign_ignored)
+            ctx.foreign_ignored = []
         if ctx.forward_order:
             ctx.prev_forward_order = ctx.forward_order
         ctx.forward_order = []

@@ -13,6 +13,7 @@ under DDP, within 1e-5 (another reduction order; measured: 1.5e-8 on 4 ranks).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -202,6 +203,47 @@ def case_stray(ignored: str) -> tuple[bool, str]:
     return results["torch"] == "", results["ours"]
 
 
+def case_foreign_module_warns() -> dict[str, list[str]]:
+    """The set holds ``ema.norm.weight`` of an EMA copy of the model (a module, so no error) where
+    ``model.norm.weight`` was meant: one warning, at the root's second forward, naming it. torch's one-set idiom stays
+    silent: one model, and two roots sharing one set (the second sharded after the first's first step)."""
+    from fully_shard import fully_shard
+
+    def run(program: Callable[[], None]) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            program()
+        return [str(w.message) for w in caught if "ignored_params" in str(w.message)]
+
+    def ema() -> None:
+        torch.manual_seed(0)
+        model = Transformer(ARGS)
+        ema = copy.deepcopy(model)  # an EMA model: the same names, another module
+        _shard(model, fully_shard, {model.layers[0].ffn_norm.weight, ema.norm.weight})
+        for step in range(3):
+            _step(model, step)
+
+    def one_model() -> None:
+        torch.manual_seed(0)
+        model = Transformer(ARGS)
+        _shard(model, fully_shard, {model.layers[0].ffn_norm.weight, model.logit_scale})
+        for step in range(2):
+            _step(model, step)
+
+    def two_roots() -> None:
+        torch.manual_seed(0)
+        a, b = Transformer(ARGS), Transformer(ARGS)
+        one_set = {a.layers[0].ffn_norm.weight, b.logit_scale, b.layers[1].attention_norm.weight}
+        _shard(a, fully_shard, one_set)
+        _step(a, 0)
+        _shard(b, fully_shard, one_set)
+        for step in range(1, 3):
+            _step(b, step)
+            _step(a, step)
+
+    return {"ema": run(ema), "one_model": run(one_model), "two_roots": run(two_roots)}
+
+
 def case_not_a_tensor() -> str:
     from fully_shard import fully_shard
 
@@ -221,6 +263,7 @@ def _all_cases() -> dict[str, Any]:
         "ema": case_stray("ema"),
         "buffer": case_stray("buffer"),
         "not_a_tensor": case_not_a_tensor(),
+        "foreign": case_foreign_module_warns(),
     }
 
 
@@ -241,6 +284,14 @@ def _check(results: dict[str, Any], what: str) -> None:
             assert text in message, f"{what}: {kind}: {text!r} not in the error: {message!r}"
     shape = f"shape ({ARGS.dim},)"
     assert shape in results["ema"][1] and "shape (8, 1)" in results["buffer"][1], (results["ema"], results["buffer"])
+    foreign = results["foreign"]
+    assert foreign["one_model"] == [] and foreign["two_roots"] == [], f"{what}: torch's idiom warned: {foreign}"
+    assert len(foreign["ema"]) == 1, f"{what}: {foreign['ema']}"
+    for text in ("ignored_params of the call on the root module (Transformer), module 'layers.0' (Block)",
+                 "holds 1 parameter(s) of modules outside this model that no fully_shard call keeps out of sharding: "
+                 "'norm.weight' of another Transformer (this model's own 'norm.weight' is sharded)",
+                 "ignored_params={model.norm.weight}"):
+        assert text in foreign["ema"][0], f"{what}: {text!r} not in the warning: {foreign['ema'][0]!r}"
     for text in ("fully_shard(Transformer): ignored_params must hold parameters, got a str ('norm.weight')",
                  "ignored_params={model.norm.weight}"):
         assert text in results["not_a_tensor"], f"{what}: {text!r} not in the error: {results['not_a_tensor']!r}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -67,20 +68,23 @@ def check_enclosing_model(root: Any) -> None:
                            "that call's ignored_params.")
 
 
-def check_ignored(root: Any, states: list[Any]) -> None:
-    """Refuse an ignored tensor that is no module's parameter (e.g. an EMA copy of one): it leaves nothing out of
-    sharding. Decided here, where the whole model is known: torch's idiom passes one set to every call, so a call's
-    set also holds other calls' parameters (some replaced by the sharded ones), and other roots'."""
+def check_ignored(root: Any, states: list[Any]) -> list[nn.Parameter]:
+    """Refuse an ignored tensor that is no module's parameter (e.g. a detached EMA copy of one): it leaves nothing out
+    of sharding. Decided here, where the whole model is known: torch's idiom passes one set to every call, so a call's
+    set also holds other calls' parameters (some replaced by the sharded ones), and other roots'. Returns the ignored
+    parameters of modules outside this model (another root's, or an EMA model's: :func:`warn_foreign_ignored`)."""
     left = {id(t): t for s in states for t in s.ignored_params if OWNER_ATTR not in t.__dict__}
     for p in (p for m in root.modules for p in m.parameters()) if left else ():
         left.pop(id(p), None)
+    foreign = []
     if left:  # another model's parameters, maybe: a scan of every live object (rare)
         for obj in gc.get_objects():
             if issubclass(type(obj), nn.Module):
                 for p in obj._parameters.values():
-                    left.pop(id(p), None)
+                    if p is not None and left.pop(id(p), None) is not None:
+                        foreign.append(p)
     if not left:
-        return
+        return foreign
     calls = [s._name() for s in states if any(id(t) in left for t in s.ignored_params)]
     buffers = {id(b): n for m in root.modules for n, b in m.named_buffers(remove_duplicate=False)}
     shown = "; ".join(f"a {type(t).__name__} of shape {tuple(t.shape)}, {t.dtype}{_known_as(t, buffers)}"
@@ -91,6 +95,43 @@ def check_ignored(root: Any, states: list[Any]) -> None:
                      "sharding only when it holds that very object: a copy of one (an EMA or state-dict copy) or a "
                      "buffer leaves everything sharded. Pass the module's own parameters, e.g. "
                      "ignored_params={model.norm.weight}, or drop these from the set.")
+
+
+def warn_foreign_ignored(root: Any, states: list[Any], foreign: list[nn.Parameter]) -> None:
+    """Warn once about an ignored parameter of a module outside this model that no ``fully_shard`` call keeps out of
+    sharding, e.g. ``ema.norm.weight`` of an EMA copy where ``model.norm.weight`` was meant: it changes nothing, and the
+    parameter meant is sharded. Called at the root's second forward rather than its first, so that another model
+    sharded after this one's first step with the same set (torch's idiom, several roots) has made its calls."""
+    kept: set[int] = set()  # parameters some call keeps out: in its set and under its modules
+    owners: dict[int, tuple[nn.Module, str]] = {}  # id(parameter) -> (a module holding it, its name there)
+    wanted = {id(p) for p in foreign}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn.Module):
+            state = obj.__dict__.get(STATE_ATTR)
+            if state is not None:
+                kept.update(id(p) for p in obj.parameters() if p in state.ignored_params)
+            for name, p in obj._parameters.items():
+                if id(p) in wanted:
+                    owners.setdefault(id(p), (obj, name))
+    loose = [p for p in foreign if id(p) not in kept and id(p) in owners]
+    if not loose:
+        return
+    mine = {n: p for m in root.modules for n, p in m.named_parameters()}
+    shown = []
+    for p in loose:
+        module, name = owners[id(p)]
+        model = outermost(module)
+        where = f"{next(n for n, m in model.named_modules() if m is module)}.{name}".lstrip(".")
+        meant = mine.get(where)
+        shown.append(f"{where!r} of another {type(model).__name__}" + (
+            f" (this model's own {where!r} is sharded)" if isinstance(meant, DTensor) else ""))
+    calls = [s._name() for s in states if any(p in s.ignored_params for p in loose)]
+    more = " ..." if len(calls) > 3 else ""
+    warnings.warn(f"fully_shard: ignored_params of the call on {', '.join(calls[:3])}{more} "
+                  f"holds {len(loose)} parameter(s) of modules outside this model that no fully_shard call keeps out "
+                  f"of sharding: {'; '.join(shown)}. ignored_params keeps out only the very parameters of the model "
+                  "being sharded: one of a copy (an EMA model) changes nothing. Pass the model's own, e.g. "
+                  "ignored_params={model.norm.weight}, or drop these from the set.", stacklevel=2)
 
 
 def _known_as(t: torch.Tensor, buffers: dict[int, str]) -> str:
@@ -123,6 +164,14 @@ def raise_replaced(state: Any, fqn: str, module: nn.Module, name: str, now: Any)
 def module_paths(module: nn.Module) -> dict[int, str]:
     """id(module) -> its name in the outermost live model holding ``module`` (through parents' ``_modules``, found by a
     scan of the garbage collector's live objects): for error messages only."""
+    paths: dict[int, str] = {}
+    for name, m in outermost(module).named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name)
+    return paths
+
+
+def outermost(module: nn.Module) -> nn.Module:
+    """The outermost live module holding ``module`` (itself when none does): a scan of every live object."""
     parents: dict[int, nn.Module] = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), nn.Module):
@@ -133,10 +182,7 @@ def module_paths(module: nn.Module) -> dict[int, str]:
     while id(module) in parents and id(parents[id(module)]) not in seen:
         module = parents[id(module)]
         seen.add(id(module))
-    paths: dict[int, str] = {}
-    for name, m in module.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), name)
-    return paths
+    return module
 
 
 def name_in_model(anchor: nn.Module, module: Any) -> str:
