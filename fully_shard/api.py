@@ -128,8 +128,10 @@ def fully_shard(
             may go to every call of a walk (``keep = {model.norm.weight}``, then ``ignored_params=keep`` for each
             block and for the model): a call leaves out those it would shard and passes over the rest, so a parameter
             under a nested call's module is that call's to ignore. The root's first forward refuses a tensor in the
-            set that is no module's parameter (e.g. an EMA copy), and a trainable parameter of the enclosing model
-            that no call shards or ignores (a forgotten ``fully_shard(model)``).
+            set that is no module's parameter (e.g. a detached EMA copy), and a trainable parameter of the enclosing
+            model that no call shards or ignores (a forgotten ``fully_shard(model)``); its second forward warns, once,
+            about a parameter of a module outside the model that no call keeps out (``ema.norm.weight`` of an EMA
+            model where ``model.norm.weight`` was meant).
         dp_mesh_dims: ``mesh`` is then the full SPMD mesh (e.g. ``("dp", "tp")``) and every parameter a DTensor on
             it, ``Replicate()`` on the data-parallel dims this names; fully_shard shards over ``shard`` (HSDP:
             replicates over ``replicate``) and the sharded parameters stay DTensors on the full mesh, laid out as
