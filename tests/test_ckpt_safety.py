@@ -11,6 +11,7 @@ tests/make_dcp_fixtures.py).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -222,6 +223,22 @@ def test_allowlist_refuses_what_dcp_metadata_never_holds(tmp_path: Any) -> None:
         pickle.dump({"not": "metadata"}, f)
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: holds a dict, not DCP's Metadata"):
         read_metadata(path)
+
+
+@dataclasses.dataclass
+class _PlannerData:
+    steps: int
+
+
+def test_extra_globals_allow_a_class_of_your_own(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = str(tmp_path / ".metadata")
+    with open(path, "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata={}, planner_data=_PlannerData(3)), f)
+    with pytest.raises(UnsafeCheckpointError, match="refused to load the global 'tests.test_ckpt_safety._PlannerData'"):
+        read_metadata(path)
+    assert read_metadata(path, extra_globals=[_PlannerData]).planner_data == _PlannerData(3)
 
 
 @pytest.mark.parametrize("version", ["2.11.0", "2.14.1"])

@@ -81,9 +81,6 @@ METADATA_GLOBALS: dict[str, Any] = _metadata_globals()
 """The globals a ``.metadata`` file may name, ``"module.name" -> object``: DCP's metadata classes, ``torch.Size``,
 every dtype, layout and memory format, ``torch.serialization._get_layout`` and ``pathlib``'s path classes."""
 
-_CLASSES = tuple(v for v in METADATA_GLOBALS.values() if isinstance(v, type))
-
-
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file names a global (a function or class to call) that reading it safely may not: it was not
     written by ``torch.distributed.checkpoint`` as is, or it was written to run code. Nothing from it was run."""
@@ -101,6 +98,7 @@ class _AllowlistUnpickler(pickle._Unpickler):
         super().__init__(file)
         self.path, self.allowed = path, allowed
         self.callables = {id(v) for v in allowed.values()}
+        self.classes = tuple(v for v in allowed.values() if isinstance(v, type))
 
     def find_class(self, module: str, name: str) -> Any:
         if f"{module}.{name}" not in self.allowed:
@@ -114,7 +112,7 @@ class _AllowlistUnpickler(pickle._Unpickler):
 
     def _check_build(self) -> None:
         inst = self.stack[-2]
-        if not isinstance(inst, _CLASSES) or isinstance(inst, type):
+        if not isinstance(inst, self.classes) or isinstance(inst, type):
             raise UnsafeCheckpointError(f"{self.path}: refused to set the state of a {type(inst).__name__}")
 
 
