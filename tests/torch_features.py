@@ -14,6 +14,7 @@ or, for a test that is the comparison only, ``@requires_torch_feature("DataParal
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import pytest
 import torch
@@ -32,11 +33,18 @@ FEATURES = {
     "FSDPModule.set_reduce_scatter_unused_params": ("torch.distributed.fsdp",
                                                     "FSDPModule.set_reduce_scatter_unused_params"),
     "dist.all_gather_single": ("torch.distributed", "all_gather_single"),
+    # torch 2.14's FSDP2 shards plain parameters annotated with spmd_types under dp_mesh_dims; the context it runs its
+    # collectives in marks that torch (fully_shard.compat.spmd_types checks the same); spmd_types must be installed
+    "spmd_types parameters": ("torch.distributed", "_spmd_no_typecheck"),
 }
+# features newer than HAS_THEM: the torch that has them
+SINCE = {"spmd_types parameters": "torch 2.14 with spmd-types installed"}
 
 
 def has_torch_feature(name: str) -> bool:
     """Whether the installed torch has ``name`` (a key of :data:`FEATURES`)."""
+    if name == "spmd_types parameters" and importlib.util.find_spec("spmd_types") is None:
+        return False
     module, path = FEATURES[name]
     obj: object = importlib.import_module(module)
     for part in path.split("."):
@@ -51,7 +59,8 @@ def missing_torch_features(*names: str) -> str | None:
     missing = [n for n in names if not has_torch_feature(n)]
     if not missing:
         return None
-    return (f"torch {torch.__version__} lacks {', '.join(missing)} ({HAS_THEM} has "
+    has = " and ".join(sorted({SINCE.get(n, HAS_THEM) for n in missing}))
+    return (f"torch {torch.__version__} lacks {', '.join(missing)} ({has} has "
             f"{'it' if len(missing) == 1 else 'them'}): this test compares against it")
 
 
