@@ -1,6 +1,8 @@
 """What fully_shard knows of torch pieces that differ between torch versions or that other torch APIs share with
 torch's FSDP2, in one place: feature checks, never version-number comparisons.
 
+- The tensor collectives' names (``dist.all_gather_single`` / ``reduce_scatter_single`` from torch 2.13, the
+  ``*_tensor`` names before), which ``comm.py`` calls.
 - torch's composable-API registry (``torch.distributed._composable.contract``): torch's FSDP2 records ``fully_shard``
   in it on each module it shards, and torch's ``replicate`` leaves the parameters of such modules to it (and refuses
   to replicate such a module). fully_shard records itself the same way, so that ``replicate`` around a model with
@@ -28,6 +30,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 _CONTRACT = "torch.distributed._composable.contract"
+
+# torch 2.13 renamed the tensor collectives; older releases only have the old names (comm.py calls them by these)
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 def _contract() -> Any:
