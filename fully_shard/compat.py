@@ -2,7 +2,7 @@
 torch's FSDP2, in one place: feature checks, never version-number comparisons.
 
 - The tensor collectives' names (``dist.all_gather_single`` / ``reduce_scatter_single`` from torch 2.13, the
-  ``*_tensor`` names before), which ``comm.py`` calls.
+  ``*_tensor`` names before), which ``comm.py`` calls; a PREMUL_SUM op's factor (shown from torch 2.13).
 - torch's composable-API registry (``torch.distributed._composable.contract``): torch's FSDP2 records ``fully_shard``
   in it on each module it shards, and torch's ``replicate`` leaves the parameters of such modules to it (and refuses
   to replicate such a module). fully_shard records itself the same way, so that ``replicate`` around a model with
@@ -34,6 +34,19 @@ _CONTRACT = "torch.distributed._composable.contract"
 # torch 2.13 renamed the tensor collectives; older releases only have the old names (comm.py calls them by these)
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def premul_sum_factor(op: Any) -> float:
+    """The factor of a PREMUL_SUM reduce op (torch's FSDP2 passes one for a custom gradient divide factor). torch 2.13
+    and later show it (``op.factor``); earlier torch builds the op with ``dist._make_nccl_premul_sum``, whose factor
+    Python cannot read: a collective of our own that must apply it is refused there."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        raise NotImplementedError(
+            f"a PREMUL_SUM reduce op from torch {torch.__version__} does not show its factor (torch 2.13's does), so a "
+            "fully_shard reduce-scatter Comm (e.g. fully_shard.quant's) cannot apply it: with torch's FSDP2 on this "
+            "torch, leave set_gradient_divide_factor out, or shard with fully_shard's own fully_shard")
+    return float(factor)
 
 
 def _contract() -> Any:

@@ -18,6 +18,7 @@ import importlib.util
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # the torch that has every feature below (the CPU suite's)
 HAS_THEM = "torch 2.13"
@@ -44,10 +45,14 @@ SINCE = {"spmd_types parameters": "torch 2.14 with spmd-types installed"}
 # tests/test_model_structures.py's ShapesTransformer (a block called twice, reshard_after_forward=True: "setStorage:
 # ... out of bounds for storage of size 0"); torch 2.13 and 2.14.1 train it
 FIXES = {"FSDP2 running a block called twice": "2.13"}
+# features shown by an object, not a name: how to tell
+SHOWN = {"ReduceOp.PREMUL_SUM factor": lambda: hasattr(dist._make_nccl_premul_sum(0.5), "factor")}
 
 
 def has_torch_feature(name: str) -> bool:
-    """Whether the installed torch has ``name`` (a key of :data:`FEATURES` or :data:`FIXES`)."""
+    """Whether the installed torch has ``name`` (a key of :data:`FEATURES`, :data:`FIXES` or :data:`SHOWN`)."""
+    if name in SHOWN:
+        return bool(SHOWN[name]())
     if name in FIXES:
         return bool(torch.torch_version.TorchVersion(torch.__version__) >= FIXES[name])
     if name == "spmd_types parameters" and importlib.util.find_spec("spmd_types") is None:
