@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from .compat import mark_fully_sharded
 from .group import GroupOptions, ParamGroup
 from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
 from .param import OWNER_ATTR, ShardedParam, param_dtypes
@@ -200,6 +201,7 @@ def fully_shard(
     state = FSDPState(modules, group, device, reshard, post_forward, mp_policy, ignored)
     for m in modules:
         m.__dict__[STATE_ATTR] = state
+        mark_fully_sharded(m)  # torch's replicate leaves its parameters to us, as it does for torch's FSDP2
         m.__class__ = _fsdp_class(type(m))
     return module
 

@@ -20,9 +20,8 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 from torch.profiler import record_function as _record_function
 
-# torch 2.13 renamed the tensor collectives; older releases only have the old names.
-_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+from .compat import ALL_GATHER as _ALL_GATHER
+from .compat import REDUCE_SCATTER as _REDUCE_SCATTER
 
 # dtypes whose sum over ranks is safe from overflow: reduced with ReduceOp.AVG directly
 _AVG_SAFE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)

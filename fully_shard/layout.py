@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from .compat import SpmdAnnotation, restore_spmd_annotation, spmd_annotation
 from .mesh import MeshInfo
 
 
@@ -211,6 +212,9 @@ class MeshLayout:
         """The gradient of what the module computed with, as the plain (TP-local) tensor the reduction takes."""
         return grad
 
+    def annotate(self, unsharded: torch.Tensor) -> None:
+        """Mark the tensor the module is about to compute with (only spmd_types parameters carry marks)."""
+
 
 class JoinedMesh(MeshLayout):
     """A tensor-parallel DTensor parameter, fully_shard on another mesh: its TP-local tensor is sharded; the sharded
@@ -288,8 +292,35 @@ class SpmdMesh(JoinedMesh):
         return DTensorSpec(DeviceMesh._concatenate(meshes), tuple(spec), self.tp_spec.tensor_meta)
 
 
+class SpmdTypesMesh(SpmdMesh):
+    """``dp_mesh_dims`` with a plain parameter annotated with spmd_types (torch 2.14 and later, ``compat``): it is
+    sharded as the DTensor its annotation describes on the whole mesh would be (``SpmdMesh``), but the module computes
+    with a plain tensor again, annotated as the parameter was; its plain gradient is read with the placements of the
+    backward types (``R`` -> ``Partial``, ``I`` -> ``Replicate``, ``S(d)`` -> ``Shard(d)``) before the reduction."""
+
+    def __init__(self, info: MeshInfo, param: nn.Parameter, annotation: SpmdAnnotation) -> None:
+        assert info.spmd_mesh is not None
+        self.annotation = annotation
+        spec = DTensor.from_local(param.detach(), info.spmd_mesh, annotation.placements, run_check=False)._spec
+        JoinedMesh.__init__(self, info, spec)
+        self.reduced_dims = info.spmd_shard_dims + info.spmd_replicate_dims
+        self._grad_spec = DTensorSpec(info.spmd_mesh, annotation.grad_placements, spec.tensor_meta)
+
+    def unsharded(self, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return super().local_grad(DTensor(grad, self._grad_spec, requires_grad=False))
+
+    def annotate(self, unsharded: torch.Tensor) -> None:
+        restore_spmd_annotation(unsharded, self.annotation)
+
+
 def mesh_layout_for(param: nn.Parameter, info: MeshInfo, fqn: str) -> MeshLayout:
-    """The mesh layout of ``param`` sharded over ``info``: by ``dp_mesh_dims``, by whether it is a DTensor."""
+    """The mesh layout of ``param`` sharded over ``info``: by ``dp_mesh_dims`` (and spmd_types annotations), by
+    whether it is a DTensor."""
     if info.spmd_mesh is not None:
-        return SpmdMesh(info, param, fqn)
+        dp_dims = info.spmd_shard_dims + info.spmd_replicate_dims
+        annotation = spmd_annotation(param, info.spmd_mesh, dp_dims, fqn)
+        return SpmdMesh(info, param, fqn) if annotation is None else SpmdTypesMesh(info, param, annotation)
     return JoinedMesh(info, param._spec) if isinstance(param, DTensor) else MeshLayout(info)

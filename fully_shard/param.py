@@ -249,11 +249,13 @@ class ShardedParam:
             assert self.unsharded_param is not None
             _alloc_storage(self._padded_unsharded)
             self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
-            return
-        self._padded_unsharded = torch.empty(self.layout.padded_numel, dtype=self.unsharded_dtype, device=self.device)
-        self._gather_out = None
-        data = self.mesh_layout.unsharded(self.layout.unsharded(self._padded_unsharded))
-        self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
+        else:
+            self._padded_unsharded = torch.empty(self.layout.padded_numel, dtype=self.unsharded_dtype,
+                                                 device=self.device)
+            self._gather_out = None
+            data = self.mesh_layout.unsharded(self.layout.unsharded(self._padded_unsharded))
+            self.unsharded_param = nn.Parameter(data, requires_grad=self.sharded_param.requires_grad)
+        self.mesh_layout.annotate(self.unsharded_param)
 
     def gather_dest(self, world: int) -> torch.Tensor:
         """Where a gathered ``(world, slot)`` block lands: a ``(world, ...)`` view of the flat buffer whose entry ``r``

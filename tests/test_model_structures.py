@@ -48,6 +48,7 @@ from support.collectives import CollectiveRecord, CollectiveRecorder
 from tests.harness import device_type, run_distributed
 from tests.models import Block, FeedForward, ModelArgs, Transformer, batch, loss_fn
 from tests.oracle import ShardwiseOptimizer, average_gradients, check_gradients, check_parameters, close, ref_tol
+from tests.torch_features import requires_torch_feature
 
 # ---------------------------------------------------------------------------
 # Models (module level: the workers unpickle nothing but names)
@@ -680,6 +681,7 @@ def test_activation_checkpointing() -> None:
     _assert_bitwise(run_distributed(case_activation_checkpointing, 2, WS2_STEPS), "activation checkpointing")
 
 
+@requires_torch_feature("FSDP2 running a block called twice")  # the comparison's torch side fails on torch 2.11
 def test_forward_shapes() -> None:
     _assert_bitwise(run_distributed(case_forward_shapes, 2, WS2_STEPS), "forward shapes")
 

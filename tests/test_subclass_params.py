@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.harness import device, device_type, run_distributed
 from tests.oracle import ShardwiseOptimizer, average_gradients, close, ref_tol, rows
+from tests.torch_features import skip_without_torch_feature
 
 aten = torch.ops.aten
 # ops whose results stay HalfGather (what sharding needs: torch's FSDP2 uses split/new_zeros)
@@ -318,7 +319,6 @@ def test_subclass_without_hooks_and_half_hooks_are_refused_at_the_all_gather() -
 def _spmd(case: str, use_torch: bool) -> dict[str, Any]:
     """dp_mesh_dims: HalfGather weights as DTensors on the whole SPMD mesh (test_drop_in's
     ``SpmdMLP`` and cases), trained 2 steps."""
-    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -326,6 +326,8 @@ def _spmd(case: str, use_torch: bool) -> dict[str, Any]:
     from tests.test_drop_in import SPMD_CASES, SpmdMLP
 
     shape, names, tp, fields = SPMD_CASES[case]
+    if use_torch:  # torch 2.13 and later
+        from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
     shard, dims = (torch_fully_shard, TorchDims) if use_torch else (fully_shard, DataParallelMeshDims)
     mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
     model = SpmdMLP(mesh, tp)
@@ -356,6 +358,7 @@ def _spmd(case: str, use_torch: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("case", ["fsdp", "fsdp_two_shard_dims_tp", "hsdp_two_shard_dims"])
 def test_own_subclass_with_dp_mesh_dims_matches_torch_fsdp2(case: str) -> None:
     ours = run_distributed(_spmd, 4, case, False)
+    skip_without_torch_feature("DataParallelMeshDims")  # torch 2.11: ours trains, the comparison is skipped
     theirs = run_distributed(_spmd, 4, case, True)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert a["types"] == b["types"] == ["HalfGather", "HalfGather"], a["types"]

@@ -46,6 +46,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed, skip_on_accelerator
+from tests.torch_features import requires_torch_feature
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -390,6 +391,7 @@ def test_accelerate_tied_llama_trains_today_as_accelerate_groups_the_tie() -> No
 @accelerate_installed
 @skip_on_accelerator("accelerate's FSDP on CPU ranks, set up by hand (see the module docstring); a GPU run needs none "
                      "of it")
+@requires_torch_feature("FSDP2 refusing a parameter tied across calls")  # the test checks torch refuses it
 def test_accelerate_tie_across_calls_trains_where_torch_refuses() -> None:
     # embed_tokens in its own call, lm_head (tied to it) left to the root: torch's FSDP2 refuses the root's call
     refused = run_distributed(_accelerate, 2, "torch", "unseen")[0]

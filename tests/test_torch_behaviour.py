@@ -43,6 +43,7 @@ from tests.harness import device, run_distributed
 from tests.harness import mesh as suite_mesh
 from tests.models import Block, ModelArgs, RMSNorm
 from tests.oracle import average_gradients
+from tests.torch_features import requires_torch_feature
 
 ARGS = ModelArgs(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_dim=24, max_seq_len=8)
 CHUNKS = 2
@@ -228,6 +229,7 @@ _SPOT = [
     ids=["2-torchtitan-full-sweep", "2-accumulate-spot", "2-one-spot", "2-two_forwards-spot", "4-one-spot",
          "4-two_forwards-spot"],
 )
+@requires_torch_feature("FSDP2 casting every grouped module's inputs")  # the comparison's torch side, on 2.11
 def test_chunked_head_matches_torch_and_unsharded(world_size: int, program: str, combos: list[Any]) -> None:
     """Ours, torch FSDP2 and the unsharded model, 2 steps each combination, every rank's
     result. The full sweep (36 combinations) for torchtitan's program on 2 ranks, which
@@ -240,6 +242,7 @@ def test_chunked_head_matches_torch_and_unsharded(world_size: int, program: str,
         assert rank_problems == [], f"rank {rank}:\n" + "\n".join(rank_problems[:20])
 
 
+@requires_torch_feature("FSDP2 casting every grouped module's inputs")  # the comparison's torch side, on 2.11
 def test_chunked_head_four_ranks() -> None:
     combos = [(True, 1, "bf16", True)]
     problems = run_distributed(_chunked_sweep, 4, ["accumulate", "torchtitan"], combos, 2, timeout=300)
@@ -290,6 +293,7 @@ def _grouped_cast_inputs() -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@requires_torch_feature("FSDP2 casting every grouped module's inputs")  # the comparison's torch side, on 2.11
 def test_grouped_cast_forward_inputs_casts_every_member(world_size: int) -> None:
     assert run_distributed(_grouped_cast_inputs, world_size) == [[]] * world_size
 

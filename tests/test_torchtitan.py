@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed, skip_on_accelerator
+from tests.torch_features import requires_torch_feature
 
 for _name in ("torchtitan", "spmd_types", "tyro", "einops"):
     pytest.importorskip(_name, reason="torchtitan 0.3.0 client test: pip install -e '.[test]' (or torchtitan==0.3.0)")
@@ -184,6 +185,7 @@ def _train(impl: str, steps: int, tied: str = "") -> dict[str, Any]:
     return out
 
 
+@requires_torch_feature("DataParallelMeshDims")  # torchtitan 0.3.0's parallelize imports it (torch 2.13)
 @skip_on_accelerator(
     "runs torchtitan with its CPU workarounds (device type 'cpu', SDPA for FlexAttention, triton "
     "stubbed); on a GPU, torchtitan's own trainer runs it"
@@ -212,6 +214,7 @@ def test_torchtitan_llama3_chunked_loss_matches_torch_fsdp2() -> None:
         torch.testing.assert_close(ours[0]["params"][name], value, rtol=0, atol=1e-5, msg=name)
 
 
+@requires_torch_feature("DataParallelMeshDims")  # torchtitan 0.3.0's parallelize imports it (torch 2.13)
 @skip_on_accelerator("runs torchtitan with its CPU workarounds (see the module docstring)")
 def test_torchtitan_tie_across_its_calls_trains_where_torch_refuses() -> None:
     refused = run_distributed(_train, 2, "torch", 1, "calls")[0]

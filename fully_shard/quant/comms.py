@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..compat import premul_sum_factor
 from . import blocks
 
 FORMATS = {"int8": 8, "int4": 4}
@@ -54,7 +55,7 @@ def _finish_op(acc: torch.Tensor, op: Any, world: int) -> torch.Tensor:
     if kind == dist.ReduceOp.AVG:
         return acc.div_(world)
     if kind == dist.ReduceOp.PREMUL_SUM:
-        return acc.mul_(float(op.factor))
+        return acc.mul_(premul_sum_factor(op))
     raise ValueError(f"quantized reduce-scatter: reduce op {kind} is not supported (SUM, AVG and PREMUL_SUM are)")
 
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ..compat import replicated_params
 from ..param import OWNER_ATTR, STATE_ATTR
 
 
@@ -45,10 +46,11 @@ def check_enclosing_model(root: Any) -> None:
             outer = obj
     if outer is None:
         return
-    known: set[int] = set()  # the parameters some fully_shard call shards or ignores, or DDP averages
+    known: set[int] = set()  # the parameters some fully_shard call shards or ignores, or DDP or replicate averages
     for sub in outer.modules():
         if isinstance(sub, DistributedDataParallel):
             known.update(id(p) for n, p in sub.module.named_parameters() if n not in sub.parameters_to_ignore)
+        known.update(id(p) for p in replicated_params(sub))
         state = getattr(sub, STATE_ATTR, None)
         if state is not None:
             known.update(id(p) for p in state.ignored_params)
