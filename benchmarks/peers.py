@@ -125,7 +125,7 @@ def peers_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from support.llama import Llama, LlamaArgs, loss_fn, tokens
+    from support.llama import Llama, loss_fn, tokens
     from support.storages import StorageTracker
 
     from .models import BENCH_SMALL, BENCH_TINY
@@ -147,7 +147,7 @@ def peers_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     del oracle, opt
     steps, n = {}, {}
     for impl in (i for i in IMPLS if i in job["impls"]):
@@ -170,13 +170,23 @@ def peers_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     # -- timing: rounds of one step each, rotating order, the slowest rank per round
     names = list(steps)
     samples: dict[str, list[float]] = {impl: [] for impl in names}
-    for i in range(job["rounds"]):
+    for i in range(job["rounds"] + 1):  # round 0 is a warm-up (a compiled step may still recompile once)
         for impl in names[i % len(names):] + names[:i % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
             steps[impl](batch[n[impl] % 4], loss_fn)
-            samples[impl].append(time.perf_counter() - t0)
+            if i:
+                samples[impl].append(time.perf_counter() - t0)
             n[impl] += 1
+    if job.get("profile") and rank == 0:  # one more step each under torch.profiler: its busiest ops, rank 0's
+        for impl in names:
+            with torch.profiler.profile() as prof:
+                steps[impl](batch[n[impl] % 4], loss_fn)
+            out.setdefault("profile", {})[impl] = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                                            row_limit=20)
+        dist.barrier()
+    elif job.get("profile"):
+        dist.barrier()
     if names:
         t = torch.tensor([samples[i] for i in names], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -188,13 +198,16 @@ def peers_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     for impl in (i for i in EAGER if i in names and job["memory"]):
         dist.barrier()
         gc.collect()
-        with StorageTracker() as mem:
-            start = mem.current
-            step = _build(impl, base, mp, mesh, world)
-            step(batch[0], loss_fn)
-            step(batch[1], loss_fn)
-            out["memory"][impl] = mem.peak - start
-        del step
+        try:
+            with StorageTracker() as mem:
+                start = mem.current
+                step = _build(impl, base, mp, mesh, world)
+                step(batch[0], loss_fn)
+                step(batch[1], loss_fn)
+                out["memory"][impl] = mem.peak - start
+            del step
+        except Exception as exc:
+            out["errors"][f"memory {impl}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         gc.collect()
     return out
 
@@ -236,7 +249,7 @@ def render(results: dict[str, Any]) -> list[str]:
         for impl, p in res["parity"].items():
             parity.append([tag, NAMES[impl], f"{p['max_rel_diff']:.1e}", f"{p['rtol']:.0e}",
                            "ok" if p["ok"] else "**failed: not timed**"])
-        errors += [f"* {tag}: {NAMES[i]} did not run: `{e}`" for i, e in res["errors"].items()]
+        errors += [f"* {tag}: {NAMES.get(i, i)} did not run: `{e}`" for i, e in res["errors"].items()]
     return ["| run | ours | peer | ours ms | peer ms | ours / peer [min, max] | spread | peak MiB ours / peer |",
             *table(["a"] * 8, rows).splitlines()[1:], "",
             f"Loss parity over the first {PARITY_STEPS} steps (mean over ranks) against one unsharded fp32 model "
@@ -260,31 +273,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the tiny model, 2 rounds, no memory")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     p.add_argument("--note", default="")
+    p.add_argument("--profile", action="store_true", help="one step each under torch.profiler (rank 0), in the json")
     a = p.parse_args(argv)
-    load, t0, runs = os.getloadavg()[0], time.perf_counter(), []
-    for world in map(int, a.worlds.split(",")):
-        for mp in a.mps.split(","):
-            job = {"mp": mp, "quick": a.quick, "rounds": 2 if a.quick else a.rounds, "memory": not a.quick,
-                   "impls": a.impls.split(",")}
-            print(f"[peers] {world} ranks, {mp}", file=sys.stderr, flush=True)
-            res, err, wall = run_job(peers_job, job, nprocs=world, timeout_s=1800)
-            runs.append({"world": world, "mp": mp, "result": res, "error": err, "wall_s": wall})
     import subprocess
 
     import torch
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    results = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cores": os.cpu_count(),
-               "commit": commit, "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
-               "wall_s": time.perf_counter() - t0, "note": a.note, "quick": a.quick, "runs": runs}
+    results: dict[str, Any] = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                               "cores": os.cpu_count(), "commit": commit, "load_before": round(os.getloadavg()[0], 2),
+                               "note": a.note, "quick": a.quick, "runs": []}
     stem = os.path.join(a.out, f"{results['date']}-{platform.system().lower()}-{platform.machine()}-"
                                f"{os.cpu_count()}cpu-peers")
-    with open(stem + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join([f"# fully_shard and its peers: {results['date']}", "", header(results), "",
-                           *render(results)]) + "\n")
+    t0, wanted = time.perf_counter(), a.impls.split(",")
+    # the eager rows first (fp32, then bf16), the compiled ones (fp32 only) last: the results are written after each
+    jobs = [(w, mp, [i for i in wanted if "compiled" not in i]) for mp in a.mps.split(",") for w in worlds(a)]
+    jobs += [(w, "fp32", [i for i in wanted if "compiled" in i]) for w in worlds(a) if "fp32" in a.mps]
+    for world, mp, impls in (j for j in jobs if j[2]):
+        job = {"mp": mp, "quick": a.quick, "rounds": 2 if a.quick else a.rounds, "memory": not a.quick,
+               "impls": impls, "profile": a.profile}
+        print(f"[peers] {world} ranks, {mp}: {', '.join(impls)}", file=sys.stderr, flush=True)
+        res, err, wall = run_job(peers_job, job, nprocs=world, timeout_s=3000)
+        results["runs"].append({"world": world, "mp": mp, "result": res, "error": err, "wall_s": wall})
+        results.update(load_after=round(os.getloadavg()[0], 2), wall_s=time.perf_counter() - t0)
+        with open(stem + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write("\n".join([f"# fully_shard and its peers: {results['date']}", "", header(results), "",
+                               *render(results)]) + "\n")
     print(stem + ".md")
+    runs = results["runs"]
     return 0 if all(r["result"] for r in runs) else 1
+
+
+def worlds(a: argparse.Namespace) -> list[int]:
+    return [int(w) for w in a.worlds.split(",")]
 
 
 def header(results: dict[str, Any]) -> str:

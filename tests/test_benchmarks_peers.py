@@ -17,6 +17,7 @@ from benchmarks.spawn import run_job
 PEERS = {"simple_fsdp": "torchtitan", "zero3": "deepspeed"}
 
 
+@pytest.mark.long  # a 2-rank spawn with torchtitan's (or DeepSpeed's) import: 54 s on the loaded 2 cores
 @pytest.mark.parametrize("peer", sorted(PEERS))
 def test_peer_matches_the_unsharded_model(peer: str) -> None:
     package = PEERS[peer]
