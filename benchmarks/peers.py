@@ -145,7 +145,7 @@ def peers_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             steps[impl](batch[n[impl] % 4], loss_fn)
             samples[impl] += [time.perf_counter() - t0] if i else []
             n[impl] += 1
-    for impl in names if job.get("profile") and rank == 0 else []:  # one more step each under torch.profiler
+    for impl in names if job.get("profile") else []:  # one more step each under torch.profiler, every rank alike
         with torch.profiler.profile() as prof:
             steps[impl](batch[n[impl] % 4], loss_fn)
         out.setdefault("profile", {})[impl] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
