@@ -75,8 +75,8 @@ def step_time(groups: list[GroupCost], *, prefetch: int = 1, buffers: int = 1, o
     Example::
 
         >>> g = [GroupCost("block", 1.0, 0.0, 0.5, 0.5, 0.5) for _ in range(4)]
-        >>> step_time(g)  # the first all-gather and the last reduce-scatter are not hidden
-        13.0
+        >>> step_time(g)  # 12 s of compute; the first all-gather, the last reduce-scatter and one gather not hidden
+        13.5
     """
     compute = link = 0.0  # when each queue is next free
     ready: dict[tuple[str, int], float] = {}  # (pass, group) -> when its all-gather is done
@@ -153,7 +153,7 @@ def measure_profile(memory_bytes: int | None = None) -> DeviceProfile:
         link = buf.numel() / timed(lambda: buf.clone())
     memory = memory_bytes if memory_bytes is not None else 0
     if memory_bytes is None and device.type != "cpu":
-        memory = torch.accelerator.get_memory_info()[1]  # type: ignore[attr-defined]
+        memory = torch.accelerator.get_memory_info()[1]
     world = dist.get_world_size() if dist.is_initialized() else 1
     return DeviceProfile("measured", flops=rates[torch.bfloat16], fp32_flops=rates[torch.float32],
                          intra_node_bandwidth=link, inter_node_bandwidth=link, ranks_per_node=max(world, 1),

@@ -11,8 +11,9 @@ Each setting's time comes from the step-time model (``cost.py``) on the collecti
 from the planner itself. The blocks are identical, so a model of L blocks is planned at two depths of a few blocks
 and each row of the memory trace (the rows near the first and the last block: a step's peak is at one end, since
 what a block holds grows by the same bytes per block) is extrapolated to L blocks: the same peak a full plan gives.
-Settings are visited fastest first; one that cannot fit (its sharded state alone, or a setting it uses less memory
-than that did not fit) is skipped unplanned; the first that fits wins, ties in time going to the one using less.
+Settings are visited fastest first; one whose end of forward cannot fit (its sharded state and kept activations,
+counted without a plan) is skipped unplanned; the first that fits wins, ties in time going to the one using less.
+(No setting is pruned for holding "more" than one that did not fit: the peak is not monotone in every option.)
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _checkpoint(block: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
-    block.forward = forward  # type: ignore[method-assign]
+    block.forward = forward
 
 
 def root_parts(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
@@ -132,7 +133,7 @@ def search_space(world: int, *, blocks: int, activations: bool, streams: bool, m
     Example::
 
         >>> len(search_space(64, blocks=32, activations=True, streams=True, mixed_precision=True, ranks_per_node=8))
-        576
+        288
     """
     reshard: list[bool | int] = [True, False] + ([ranks_per_node] if world > ranks_per_node else [])
     return [Setting(*values) for values in itertools.product(
@@ -247,11 +248,11 @@ class Recipe:
 
     Example::
 
-        >>> recipe = fit("llama3-8b", 64, "40GiB", batch_size=1, seq_len=8192, mixed_precision=True)
+        >>> recipe = fit(lambda: Transformer(args), 2, "100KiB", device_type="cpu", mixed_precision=True)
         >>> recipe.setting.describe()
-        'reshard_after_forward=False, bf16, root in one group'
-        >>> round(recipe.peak_bytes / 2**30, 2), recipe.peak_at
-        (29.4, 'forward: activations of LlamaForCausalLM (root)')
+        'reshard_after_forward=False, bf16, embedding and output in own groups'
+        >>> recipe.peak_bytes <= 100 * 2**10, recipe.peak_at
+        (True, 'backward: reduce-scatter of layers.0')
     """
 
     setting: Setting
@@ -275,8 +276,10 @@ class Recipe:
 
         Example::
 
-            >>> recipe = fit(Transformer, mesh.size(), "1MiB", device_type="cpu")
-            >>> recipe.apply(model, mesh) is model, type(model.layers[0]).__name__
+            >>> from fully_shard.tools.planner.run import fake_world
+            >>> recipe = fit(lambda: Transformer(args), 2, "1MiB", device_type="cpu")
+            >>> with fake_world((2,), rank=0) as mesh:  # in a training script: the job's mesh
+            ...     recipe.apply(model, mesh) is model, type(model.layers[0]).__name__
             (True, 'FSDPTransformerBlock')
         """
         if tuple(mesh.shape) != tuple(self.mesh_shape):
@@ -321,7 +324,8 @@ class _Search:
     def __init__(self, model: nn.Module, label: str, shape: tuple[int, ...], *, device_type: str, optimizer: str,
                  batch_size: int | None, seq_len: int | None, activations: bool, profile: DeviceProfile) -> None:
         self.model, self.label, self.shape, self.profile = model, label, shape, profile
-        self.blocks = len(decoder_layers(model))
+        self.block_modules = [m for _, m in decoder_layers(model)]
+        self.blocks = len(self.block_modules)
         self.depth = _DEPTH + self.blocks % 2  # the smaller depth planned, of the model's parity
         self.exact = self.blocks <= self.depth + 2
         depths = [self.blocks] if self.exact else [self.depth, self.depth + 2]
@@ -332,6 +336,7 @@ class _Search:
         self.tokens, self.seq_len = (batch_size or 1) * (seq_len or 1), seq_len or 1
         self.cache: dict[Setting, Estimate] = {}
         self.acts: dict[torch.dtype, ActivationEstimate] = {}
+        self.memo: dict[Any, Any] = {}  # FLOPs and bytes by module or parameters
         self.plans: dict[tuple[Setting, int], Plan] = {}
 
     def plan(self, s: Setting, depth: int) -> Plan:
@@ -357,7 +362,13 @@ class _Search:
     def group_params(self, s: Setting) -> list[tuple[str, list[nn.Parameter], bool | int, nn.Module | None]]:
         """The step's ``fully_shard`` calls in forward order: name, parameters, reshard_after_forward, and the block
         (None: the root's parts)."""
-        blocks = [m for _, m in decoder_layers(self.model)]
+        key = ("calls", s.root_groups, s.reshard_after_forward)
+        if key not in self.memo:
+            self.memo[key] = self._calls(s)
+        return self.memo[key]  # type: ignore[no-any-return]
+
+    def _calls(self, s: Setting) -> list[tuple[str, list[nn.Parameter], bool | int, nn.Module | None]]:
+        blocks = self.block_modules
         inside = {id(p) for b in blocks for p in b.parameters()}
         rest = [p for p in self.model.parameters() if id(p) not in inside]
         calls: list[tuple[str, list[nn.Parameter], bool | int, nn.Module | None]] = []
@@ -374,6 +385,9 @@ class _Search:
     def _bytes(self, params: list[nn.Parameter], s: Setting) -> tuple[int, int, int]:
         """A call's padded unsharded bytes in the all-gather dtype, its reduce-scatter input bytes and this rank's
         sharded bytes: each parameter's dim 0 padded to a multiple of the shard size (the layout of ``layout.py``)."""
+        key = (tuple(id(p) for p in params), s.param_dtype)
+        if key in self.memo:
+            return self.memo[key]  # type: ignore[no-any-return]
         shard = self.shape[-1]
         gather = scatter = sharded = 0
         for p in params:
@@ -383,6 +397,7 @@ class _Search:
             gather += numel * (torch.empty((), dtype=s.param_dtype).element_size() if s.param_dtype else own)
             scatter += numel * (4 if s.param_dtype else own)
             sharded += numel // shard * own
+        self.memo[key] = (gather, scatter, sharded)
         return gather, scatter, sharded
 
     def state_bytes(self, s: Setting) -> int:
@@ -408,9 +423,11 @@ class _Search:
 
     def flops(self, module: nn.Module) -> float:
         """Forward FLOPs of ``module`` per step: two per weight element and token (an embedding's: none)."""
-        weights = sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
-                      for p in m.parameters(recurse=False))
-        return 2.0 * weights * self.tokens
+        if id(module) not in self.memo:
+            weights = sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
+                          for p in m.parameters(recurse=False))
+            self.memo[id(module)] = 2.0 * weights * self.tokens
+        return float(self.memo[id(module)])
 
     def time(self, s: Setting) -> tuple[float, float, int]:
         """Predicted seconds, recomputed FLOPs and bytes a rank sends per step of ``s``: its groups in forward order
@@ -421,7 +438,7 @@ class _Search:
         rate = self.profile.flops if s.param_dtype is not None else self.profile.fp32_flops
         hidden = getattr(getattr(self.model, "config", None), "hidden_size", 0)
         attention = 2.0 * self.tokens * self.seq_len * hidden  # causal: QK^T and AV, half the matrix
-        blocks = [m for _, m in decoder_layers(self.model)]
+        blocks = self.block_modules
         checkpointed = {id(blocks[i]) for i in s.checkpointed(self.blocks)}
         root_flops = self.flops(self.model) - sum(self.flops(b) for b in blocks)
         groups: list[GroupCost] = []
@@ -497,12 +514,11 @@ def fit(
 
     Example::
 
-        >>> recipe = fit("llama3-8b", 64, "80GiB", batch_size=1, seq_len=8192, mixed_precision=True)
-        >>> print(recipe)  # doctest: +ELLIPSIS
-        fit llama3-8b on mesh (64,) within 80.00 GiB (h100):
-          reshard_after_forward=False, bf16, root in one group
-          peak 29.40 GiB at forward: activations of LlamaForCausalLM (root); sharded state 1.88 GiB
-        ...
+        >>> print(fit(lambda: Transformer(args), 2, "100KiB", device_type="cpu", mixed_precision=True))
+        fit ... on mesh (2,) within 100.00 KiB (h100):
+          reshard_after_forward=False, bf16, embedding and output in own groups
+          peak ... at backward: reduce-scatter of layers.0; sharded state ...
+          step ... ms predicted; sends ... per step; recomputes 0 FLOP; ... settings planned
     """
     import torch.distributed as dist
 
@@ -539,31 +555,23 @@ def fit(
                          streams=has_streams(torch.device(device_type)), mixed_precision=mixed_precision,
                          ranks_per_node=dev.ranks_per_node, root_groups=root_groups)
     timed = sorted(((*search.time(s), s) for s in space), key=lambda t: t[0])
-    failed: list[Setting] = []
     best: tuple[float, float, int, Setting, Estimate] | None = None
     for seconds, flops, send, s in timed:  # fastest first
         if best is not None and seconds > best[0] * (1 + 1e-9):
             break  # every later one is slower than one that fits
-        if any(_at_least(s, f) for f in failed) or search.lower_bound(s) > budget_bytes:
-            continue  # holds at least what did not fit, or the end of its forward does not fit
-        # once one did not fit, first the same with one reduce-scatter buffer and prefetch 1, which holds less: if
-        # that does not fit either, it rules out all four
-        floors = [dataclasses.replace(s, max_input_buffers=1, prefetch=1)] * bool(failed)
-        for t in [*dict.fromkeys(floors), s]:
-            e = search.estimate(t)
-            if e.peak_bytes > budget_bytes:
-                failed.append(t)
-                break
-        else:
-            if best is None or e.peak_bytes < best[4].peak_bytes:
-                best = (seconds, flops, send, s, e)
+        if search.lower_bound(s) > budget_bytes:
+            continue  # the end of its forward alone does not fit
+        e = search.estimate(s)
+        if e.peak_bytes <= budget_bytes and (best is None or e.peak_bytes < best[4].peak_bytes):
+            best = (seconds, flops, send, s, e)
     if best is None:
-        least = min((search.estimate(Setting(True, "full" if activations else "none", offload, dtype, rg))
-                     for offload in {s.offload for s in space} for dtype in {s.param_dtype for s in space}
-                     for rg in {s.root_groups for s in space}), key=lambda e: e.peak_bytes)
+        bound = min(search.lower_bound(s) for s in space)
+        least = min(search.cache.values(), key=lambda e: e.peak_bytes, default=None) or search.estimate(
+            min(space, key=search.lower_bound))
         raise ValueError(f"fit(): nothing fits {fmt_bytes(budget_bytes)} per rank for {label} on mesh {shape}: the "
                          f"smallest peak reachable is {fmt_bytes(least.peak_bytes)} (at {least.peak_at}), of which "
-                         f"{_dominant(least)}")
+                         f"{_dominant(least)}" + (f" (every setting holds at least {fmt_bytes(bound)} at the end of "
+                                                   "its forward)" if bound > budget_bytes else ""))
     seconds, flops, send, s, e = best
     times = {other: (sec, fl, sn) for sec, fl, sn, other in timed}
     rejected = []
