@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     s("--compile", action="store_true", help="torch.compile each block (after AC, before fully_shard)")
     s("--reshard-after-forward", choices=sorted(RESHARD), default="none", help="none: all but the root")
+    s("--fit", metavar="BUDGET", help="shard by the fastest recipe whose planned peak fits BUDGET per rank (e.g. 2GiB; "
+      "fully_shard.plan.fit; --mixed-precision bf16 allows bf16) instead of the two options before")
     s("--comm-quant", choices=("none", "int8", "int4"), default="none",
       help="quantized collectives (fully_shard.quant): "
       "int8 weight all-gathers and int8 (or int4) gradient reductions; embeddings and norms stay exact")
@@ -216,13 +218,20 @@ def run(args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if args.mixed_precision == "bf16" else MixedPrecisionPolicy())
-    for i, block in enumerate(model.layers):
+    if args.fit:  # fully_shard.plan.fit: its fully_shard calls, checkpointing and settings instead of those below
+        from functools import partial
+
+        from fully_shard.tools.planner import fit
+        fit(partial(Transformer, margs), tuple(mesh.shape), args.fit, device_type=device.type,
+            mixed_precision=args.mixed_precision == "bf16").apply(model, mesh)
+    for i, block in enumerate(model.layers if not args.fit else []):
         if args.activation_checkpointing:
             block = model.layers[i] = checkpoint_wrapper(block)
         if args.compile:
             block.compile()  # in place: parameter names and state-dict keys unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
+    if not args.fit:
+        fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
     if args.comm_quant != "none":  # after fully_shard: the Comm objects go on every sharded module
         from fully_shard.quant import quantize_comms
 

@@ -14,7 +14,7 @@ a per-tensor step two of the largest), and, given ``batch_size`` and ``seq_len``
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Union
 
 import torch
@@ -78,9 +78,10 @@ def _mesh(mesh_shape: int | Sequence[int]) -> tuple[int, ...]:
 
 
 def _activations(model: nn.Module, states: list[FSDPState], batch_size: int, seq_len: int, compute: torch.dtype,
-                 checkpointing: bool) -> tuple[dict[FSDPState, Activations], int]:
+                 checkpointing: bool | Collection[str]) -> tuple[dict[FSDPState, Activations], int]:
     """Each call's activations (``run.Activations``) and one block's bytes. A block's go to the innermost call that
-    contains it, the rest of the model's (embedding, final norm, loss) to the root."""
+    contains it, the rest of the model's (embedding, final norm, loss) to the root. ``checkpointing``: every block,
+    none, or the names of the checkpointed ones."""
     est = estimate_activations(model, batch_size, seq_len, compute)
     names = {id(m): n for n, m in model.named_modules()}
     fqn = {s: names[id(s.modules[0])] for s in states}
@@ -90,7 +91,7 @@ def _activations(model: nn.Module, states: list[FSDPState], batch_size: int, seq
     for layer in est.layers:
         owner = max((s for s in states if fqn[s] == "" or layer == fqn[s] or layer.startswith(fqn[s] + ".")),
                     key=lambda s: len(fqn[s]))
-        if checkpointing:
+        if checkpointing is True or (not isinstance(checkpointing, bool) and layer in checkpointing):
             acts[owner].kept += est.block_input_bytes
             acts[owner].rebuilt = max(acts[owner].rebuilt, est.block_bytes)  # one block rebuilt at a time
         else:
@@ -113,7 +114,7 @@ def plan(
     foreach: bool | None = None,
     batch_size: int | None = None,
     seq_len: int | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | Collection[str] = False,
 ) -> Plan:
     """Per-rank memory and communication of training a model under fully_shard, without allocating it.
 
@@ -155,7 +156,8 @@ def plan(
             saves for backward, per block, in the compute dtype) join the step: kept
             through forward, freed through backward. Left out: activations not counted.
         activation_checkpointing: every block checkpointed (e.g. transformers'
-            ``gradient_checkpointing_enable()``): a block keeps only its input through
+            ``gradient_checkpointing_enable()``), or the names of the checkpointed blocks
+            (``{"model.layers.0", ...}``): such a block keeps only its input through
             forward and rebuilds its activations during its own backward.
 
     Returns:
@@ -235,7 +237,9 @@ def plan(
         storage_dtypes=sorted({str(_dtype_name(p.dtype)) for p in sharded}), optimizer=optimizer, offload=offload,
         reshard_after_forward=reshard_setting(reshard_after_forward, shard), device_type=device_type,
         groups=groups, notes=notes,
-        batch_size=batch_size, seq_len=seq_len, activation_checkpointing=activation_checkpointing,
+        batch_size=batch_size, seq_len=seq_len,
+        activation_checkpointing=(activation_checkpointing if isinstance(activation_checkpointing, bool)
+                                  else sorted(activation_checkpointing)),
         block_activation_bytes=block_act, activation_bytes=sum(a.kept + a.rest for a in acts.values()), **fields,
     )
 

@@ -4,6 +4,7 @@
     python -m fully_shard.plan --model llama3-70b --mesh 8,64 --json
     python -m fully_shard.plan --model mypkg.models:build --mesh 16 --wrap Block
     python -m fully_shard.plan --model llama3-8b --mesh 64 --batch-size 1 --seq-len 8192 --ac
+    python -m fully_shard.plan --model llama3-70b --mesh 64 --fit 80GiB --batch-size 1 --seq-len 8192 --mixed-precision
 
 Bad arguments print a message and exit with status 2.
 """
@@ -20,6 +21,8 @@ import torch.nn as nn
 from ...policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ...streams import accelerator_type
 from .api import OPTIMIZERS, plan
+from .cost import PROFILES
+from .fit import fit
 from .models import PRESETS, load_model
 
 __all__ = ["main", "DTYPES"]
@@ -64,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ac", action="store_true",
                    help="activation checkpointing of every block: keep only block inputs, rebuild one block "
                    "in its backward (needs --batch-size and --seq-len)")
+    p.add_argument("--fit", metavar="BUDGET", help="instead of planning one configuration, find the fastest that fits "
+                   "BUDGET per rank (80GiB, 24GB): prints the recipe, its peak, and why not the settings next to it "
+                   "that use less memory")
+    p.add_argument("--mixed-precision", action="store_true", help="with --fit: allow bf16 all-gathers and compute")
+    p.add_argument("--profile", default="h100", choices=list(PROFILES), help="with --fit: the device of the "
+                   "step-time model")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.add_argument("--plot", metavar="PNG", help="also draw device memory over the step into this file "
                    "(needs matplotlib)")
@@ -145,6 +154,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--batch-size and --seq-len go together: give both to count activations, or neither")
     if args.ac and args.batch_size is None:
         parser.error("--ac needs --batch-size and --seq-len (activations are not counted without them)")
+    if args.fit:
+        try:
+            recipe = fit(build, mesh, args.fit, profile=args.profile, batch_size=args.batch_size, seq_len=args.seq_len,
+                         mixed_precision=args.mixed_precision, optimizer=args.optimizer, device_type=args.device,
+                         explain=True)
+        except ValueError as e:
+            parser.error(str(e))
+        print(f"{recipe}\n\n{recipe.to_toml()}", end="")
+        return 0
     try:
         result = plan(build, mesh, mp_policy=mp, offload_policy=offload, optimizer=args.optimizer,
                       reshard_after_forward=reshard, wrap=wrap, rank=args.rank, device_type=args.device,

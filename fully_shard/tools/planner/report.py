@@ -99,7 +99,7 @@ class Plan:
     # activations (None / 0 unless batch_size and seq_len were given), per rank
     batch_size: int | None = None
     seq_len: int | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | list[str] = False  # every block, or the names of the checkpointed ones
     block_activation_bytes: int = 0  # saved for backward by one block (rebuilt in its backward under AC)
     activation_bytes: int = 0  # kept from forward to backward, all of the model, at the end of forward
     peak_activation_bytes: int = 0  # the most live at once in the step (with AC: plus one rebuilt block)
@@ -205,6 +205,12 @@ def _shorten(text: str, width: int) -> str:
     return text if len(text) <= width else "..." + text[len(text) - width + 3:]
 
 
+def _ac_text(ac: bool | list[str]) -> str:
+    if isinstance(ac, bool):
+        return "on" if ac else "off"
+    return f"{len(ac)} blocks" if ac else "off"
+
+
 def format_plan(p: Plan) -> str:
     """The readable table of a plan (what ``str(plan)`` and the command line print); no
     line is longer than 100 columns (long group names are elided at the start, long
@@ -233,7 +239,7 @@ def format_plan(p: Plan) -> str:
     ]
     if p.batch_size is not None:
         head.append(f"  activations: batch {p.batch_size} x {p.seq_len} tokens per rank, activation "
-                    f"checkpointing {'on' if p.activation_checkpointing else 'off'}")
+                    f"checkpointing {_ac_text(p.activation_checkpointing)}")
     head.append("")
     lines = head
     header = ("group", "x", "params", "sharded", "grads", "optim", "unsharded", "RS in", "AGs")

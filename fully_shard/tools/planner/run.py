@@ -406,8 +406,9 @@ def measure_step(model: nn.Module, *, streams: bool, activations: dict[FSDPState
         shared = Streams(torch.device("cpu"), NoStreams()) if streams else None
         for state in states:
             state.shared_streams = shared
-            for module in state.modules:
-                module.forward = _stand_in(module, state, ledger, activations.get(state))
+            for module in state.modules:  # a call of several modules: its activations are the first one's
+                first = activations.get(state) if module is state.modules[0] else None
+                module.forward = _stand_in(module, state, ledger, first)
 
         def forward_backward() -> None:
             out = model(torch.zeros(1))
