@@ -453,3 +453,44 @@ def test_a_lighthouse_bind_that_is_no_address_is_refused(capsys: Any) -> None:
         train.parse_args(["--ft-enable", "--ft-lighthouse-bind", "my-host"])
     err = capsys.readouterr().err
     assert "--ft-lighthouse-bind 'my-host' is not an IP address of this machine: pass 127.0.0.1" in err, err
+
+
+class _QuorumOfOne:
+    """What wait_for_all sees of a FaultTolerantHSDP whose quorums never hold more than this group."""
+
+    def __init__(self) -> None:
+        self.manager = self
+        self.quorums = 0
+
+    def start_step(self) -> None:
+        self.quorums += 1
+
+    def num_participants(self) -> int:
+        return 1
+
+    def current_step(self) -> int:
+        return 13
+
+
+def test_fault_tolerance_waits_follow_the_measured_start_up_and_steps() -> None:
+    """A join step waits 3 of this group's measured start-ups (at least --ft-timeout); a group gives up committing
+    after twice --ft-timeout, or 3 start-ups and 20 median steps if longer; giving up says what it waited for."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import fault_tolerance
+        import train
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    ft = train.FaultTolerance.__new__(train.FaultTolerance)  # its waits only: no manager
+    ft.args, ft.startup_s, ft.step_s = train.parse_args(["--ft-enable", "--ft-timeout", "60"]), 40.0, [0.3, 0.5, 0.9]
+    assert (ft.join_wait(), ft.commit_limit()) == (120.0, 130.0)
+    assert ft.measured() == "this group's start-up 40 s, median step 0.50 s, measured"
+    ft.startup_s = 4.0  # a quick start: --ft-timeout is the floor
+    assert (ft.join_wait(), ft.commit_limit()) == (60.0, 120.0)
+    logs: list[str] = []
+    quorum = _QuorumOfOne()
+    fault_tolerance.wait_for_all(quorum, 2, 0.0, logs.append, "93 s: 3 x this group's start-up 31 s, measured")
+    assert quorum.quorums == 1 and len(logs) == 1, logs
+    assert re.fullmatch(r"step 14: 1 of 2 replica groups in the quorum after waiting \d+ s \(the wait: 93 s: 3 x this "
+                        r"group's start-up 31 s, measured\); going on without the others: they took longer than that "
+                        r"to \(re\)start or to reach this step", logs[0]), logs
