@@ -5,7 +5,9 @@ In-process (tests/harness, gloo): the replicate reduction through a manager's al
 bitwise, and bad input raises naming the cause. End to end (marked ``long``; .ci/run runs them): a Lighthouse and 2
 replica groups x 2 workers of examples/train.py as subprocesses, workers SIGKILLed at chosen steps and places, the
 Lighthouse killed and restarted; oracles: the other replica group (bitwise), the same run with torch's FSDP2, and
-plain HSDP on a (2, 2) mesh without failures.
+plain HSDP on a (2, 2) mesh without failures. A run is stopped only when it stalls, by a limit derived from its own
+measured start-up and step time (a loaded machine slows both), and a failure says what was slow. The launcher's
+Lighthouse listens on loopback unless --ft-lighthouse-bind says otherwise.
 """
 
 from __future__ import annotations
