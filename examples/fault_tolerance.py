@@ -178,11 +178,12 @@ def make_manager(args: Any, device: Any, timeout_s: float) -> Any:
 
 def wait_for_all(ft: Any, replicas: int, deadline_s: float, log: Any, why: str = "") -> None:
     """Start this step only with all ``replicas`` groups in the quorum (or after ``deadline_s``, derived by the caller
-    from what the run measured and explained by ``why``): quorums with fewer run no step (nothing committed, so
-    nothing to undo) and are retried. Giving up is logged, saying how long it waited and why that long."""
+    from what the run measured and explained by ``why``; each quorum may take as long): quorums with fewer run no
+    step (nothing committed, so nothing to undo) and are retried. Giving up is logged, saying how long it waited and
+    why that long."""
     start = time.monotonic()
     while True:
-        ft.start_step()
+        ft.start_step(timeout=deadline_s)
         if ft.manager.num_participants() >= replicas:
             return
         waited = time.monotonic() - start

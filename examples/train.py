@@ -369,8 +369,9 @@ class FaultTolerance:
         return f"this group's start-up {self.startup_s or 0.0:.0f} s{step}, measured"
 
     def join_wait(self) -> float:
-        """How long a step of --ft-join-at waits for every group: a group that is (re)starting goes through about
-        the start-up this one measured, so three of those (at least --ft-timeout)."""
+        """How long a step of --ft-join-at waits for every group, and any quorum may take (it waits for a group that
+        is (re)starting, or for a restarted Lighthouse): a restart goes through about the start-up this worker
+        measured, so three of those (at least --ft-timeout)."""
         return max(self.args.ft_timeout, 3 * (self.startup_s or 0.0))
 
     def commit_limit(self) -> float:
@@ -391,7 +392,7 @@ class FaultTolerance:
             wait_for_all(self.ft, self.world.replicas, self.join_wait(), self.world.log,
                          f"{self.join_wait():.0f} s: 3 x {self.measured()}, at least --ft-timeout")
         else:
-            self.ft.start_step(shrink_only=bool(self.args.ft_join_at))
+            self.ft.start_step(shrink_only=bool(self.args.ft_join_at), timeout=self.join_wait())
         step = int(self.manager.current_step())
         if step != before:
             self.world.log(f"recovered live at step {step} from a healthy replica group (each rank: its peer's shards)")

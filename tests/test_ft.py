@@ -306,7 +306,9 @@ def _metrics(path: str) -> list[dict[str, Any]]:
 def _chaos(impl: str, tmp: str) -> tuple[str, dict[tuple[int, int], tuple[str, str]]]:
     """Rank 1 of group 1 killed before step 10's forward; groups rejoin only at steps 14 and 24 (deterministic);
     rank 0 of group 0 killed inside step 18's optimizer step, after its commit; with fully_shard, the Lighthouse
-    killed at step 26 and restarted by the launcher (a stall, no change to any step: not repeated with torch's)."""
+    killed at step 26 and restarted by the launcher (a stall, no change to any step: not repeated with torch's).
+    Steps 27-30 wait for both groups: after the restart, a group whose manager reconnects late would otherwise be left
+    out of a quorum or two (seen once under load 150: torchft's behaviour, not a failure, but not this test's)."""
     pid: list[int] = []
     killed: list[int] = []
 
@@ -317,7 +319,8 @@ def _chaos(impl: str, tmp: str) -> tuple[str, dict[tuple[int, int], tuple[str, s
             os.kill(pid[0], signal.SIGKILL)
             killed.append(pid[0])
 
-    out = _run([*SMALL, *FT, "--fsdp", "fully_shard" if impl == "ours" else "torch", "--ft-join-at", "14,24",
+    out = _run([*SMALL, *FT, "--fsdp", "fully_shard" if impl == "ours" else "torch",
+                "--ft-join-at", "14,24,27,28,29,30",
                 "--ft-kill", "1:1:10:forward", "--ft-kill", "0:0:18:optim", "--metrics", os.path.join(tmp, "m.jsonl")],
                on_line=kill_lighthouse)
     assert killed or impl != "ours", out[-20000:]
@@ -464,7 +467,8 @@ class _QuorumOfOne:
         self.manager = self
         self.quorums = 0
 
-    def start_step(self) -> None:
+    def start_step(self, timeout: float | None = None) -> None:
+        assert timeout == 0.0  # each quorum may take as long as the whole wait
         self.quorums += 1
 
     def num_participants(self) -> int:
