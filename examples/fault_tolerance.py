@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+LOOPBACK = "127.0.0.1"  # where the one-machine launcher's Lighthouse listens unless --ft-lighthouse-bind says otherwise
 
 
 def free_port() -> int:
@@ -32,15 +33,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def lighthouse_command(port: int, min_replicas: int = 1, heartbeat_timeout_ms: int = 5000,
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 address in brackets
+
+
+def lighthouse_command(port: int, bind: str = LOOPBACK, min_replicas: int = 1, heartbeat_timeout_ms: int = 5000,
                        join_timeout_ms: int = 10000) -> list[str]:
-    """The ``torchft_lighthouse`` command line (the binary installed with torchft)."""
+    """The ``torchft_lighthouse`` command line (the binary installed with torchft), listening on ``bind`` (an
+    address of this machine: loopback by default, ``::`` for every interface)."""
     exe = os.path.join(sysconfig.get_path("scripts"), "torchft_lighthouse")
     exe = exe if os.path.exists(exe) else shutil.which("torchft_lighthouse") or ""
     if not exe:
         raise SystemExit("train.py: error: --ft-enable needs torchft (pip install 'fully-shard[ft]'): "
                          "torchft_lighthouse not found")
-    return [exe, "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas), "--quorum_tick_ms", "100",
+    return [exe, "--bind", _host_port(bind, port), "--min_replicas", str(min_replicas), "--quorum_tick_ms", "100",
             "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--join_timeout_ms", str(join_timeout_ms)]
 
 
@@ -62,10 +68,16 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
             p.wait()
 
 
+def _start_lighthouse(port: int, bind: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(lighthouse_command(port, bind), stdout=subprocess.DEVNULL,
+                            env=dict(os.environ, RUST_LOG="warn"))
+
+
 def launch(script: str, argv: list[str], *, replicas: int, nproc: int, max_restarts: int,
-           lighthouse: str | None = None, timeout: float = 60.0) -> int:
+           lighthouse: str | None = None, timeout: float = 60.0, lighthouse_bind: str = LOOPBACK) -> int:
     """Run ``script`` as ``replicas`` replica groups of ``nproc`` workers on this machine (and a Lighthouse unless
-    ``lighthouse`` is an address); returns 0 when the groups finished, 1 when one failed more than ``max_restarts``
+    ``lighthouse`` is an address: it listens on ``lighthouse_bind``, loopback unless asked otherwise, so that nothing
+    outside this machine reaches it); returns 0 when the groups finished, 1 when one failed more than ``max_restarts``
     times. Each worker gets torchrun's environment for its group (RANK, WORLD_SIZE, MASTER_PORT, ...),
     ``TORCHFT_LIGHTHOUSE``, ``TORCHELASTIC_RESTART_COUNT`` and ``--ft-replica-id``. Once a group has finished, the
     others get ``timeout`` seconds to finish too; a group that fails then is not restarted (no peer is left to
@@ -74,11 +86,12 @@ def launch(script: str, argv: list[str], *, replicas: int, nproc: int, max_resta
     house = None
     if lighthouse is None:
         port = free_port()
-        house = subprocess.Popen(lighthouse_command(port), stdout=subprocess.DEVNULL,
-                                 env=dict(os.environ, RUST_LOG="warn"))
-        lighthouse = f"http://localhost:{port}"
+        house = _start_lighthouse(port, lighthouse_bind)
+        wildcard = lighthouse_bind in ("::", "0.0.0.0")  # every interface: the workers here connect through loopback
+        lighthouse = f"http://{_host_port('localhost' if wildcard else lighthouse_bind, port)}"
         print(f"fault tolerance: Lighthouse at {lighthouse} (pid {house.pid}), {replicas} replica groups of {nproc} "
-              f"workers, up to {max_restarts} restarts each", flush=True)
+              f"workers, up to {max_restarts} restarts each; it listens on {_host_port(lighthouse_bind, port)}",
+              flush=True)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
     env[LIGHTHOUSE_ENV] = lighthouse
@@ -105,8 +118,7 @@ def launch(script: str, argv: list[str], *, replicas: int, nproc: int, max_resta
                 return 0
             if house is not None and house.poll() is not None:
                 print(f"fault tolerance: the Lighthouse {_describe(house.returncode)}; restarting it", flush=True)
-                house = subprocess.Popen(lighthouse_command(int(lighthouse.rsplit(":", 1)[1])),
-                                         stdout=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="warn"))
+                house = _start_lighthouse(int(lighthouse.rsplit(":", 1)[1]), lighthouse_bind)
             for r, group in list(groups.items()):
                 codes = [p.poll() for p in group]
                 if all(c == 0 for c in codes):
@@ -164,13 +176,21 @@ def make_manager(args: Any, device: Any, timeout_s: float) -> Any:
     return manager if manager is not None else make()
 
 
-def wait_for_all(ft: Any, replicas: int, deadline_s: float, log: Any) -> None:
-    """Start this step only with all ``replicas`` groups in the quorum (or after ``deadline_s``): quorums with fewer
-    run no step (nothing committed, so nothing to undo) and are retried."""
-    deadline = time.monotonic() + deadline_s
+def wait_for_all(ft: Any, replicas: int, deadline_s: float, log: Any, why: str = "") -> None:
+    """Start this step only with all ``replicas`` groups in the quorum (or after ``deadline_s``, derived by the caller
+    from what the run measured and explained by ``why``; each quorum may take as long): quorums with fewer run no
+    step (nothing committed, so nothing to undo) and are retried. Giving up is logged, saying how long it waited and
+    why that long."""
+    start = time.monotonic()
     while True:
-        ft.start_step()
-        if ft.manager.num_participants() >= replicas or time.monotonic() > deadline:
+        ft.start_step(timeout=deadline_s)
+        if ft.manager.num_participants() >= replicas:
+            return
+        waited = time.monotonic() - start
+        if waited > deadline_s:
+            log(f"step {ft.manager.current_step() + 1}: {ft.manager.num_participants()} of {replicas} replica groups "
+                f"in the quorum after waiting {waited:.0f} s (the wait: {why or f'{deadline_s:.0f} s'}); going on "
+                "without the others: they took longer than that to (re)start or to reach this step")
             return
         ft.manager.report_error(RuntimeError(f"waiting for all {replicas} replica groups"))
         ft.should_commit()

@@ -111,19 +111,7 @@ def recipe(
     size to ``out_dir/pretrained`` (nothing is downloaded)."""
     import torch
     import torch.distributed as dist
-    import transformers
-    from safetensors.torch import load_file, save_file
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-    )
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    # torch's FSDP2: fully_shard from torch.distributed.fsdp, and set_model_state_dict with
-    # StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) for the loading
-    from fully_shard import broadcast_full_state_dict, fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
@@ -131,7 +119,7 @@ def recipe(
 
     from fully_shard.ckpt import save_checkpoint
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
 
     def say(msg: str) -> None:
         if rank == 0 and log is not None:
@@ -144,6 +132,46 @@ def recipe(
             write_stand_in(pretrained, hidden_size, layers, heads, kv_heads, seq_len, seed)
         dist.barrier()
 
+    # 1-2. built on meta, sharded, loaded; checked against the unsharded pretrained model on a fixed input
+    corpus = load_corpus(None, max_mb=0.25)
+    probe = corpus[:seq_len].unsqueeze(0)
+    model, loaded = load_sharded(pretrained, probe, say)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    # 3. train
+    losses, train_s = fine_tune(model, optimizer, corpus, steps=steps, seq_len=seq_len, batch_size=batch_size,
+                                seed=seed, say=say)
+
+    # 4. a sharded DCP checkpoint (each rank writes its own shards), crash-safe
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    ckpt = save_checkpoint({"model": model_sd, "optim": optim_sd, "step": steps},
+                           os.path.join(out_dir, "checkpoints"), steps)
+    say(f"checkpoint (DCP, sharded): {ckpt}")
+
+    # 5-6. one safetensors file that from_pretrained loads, and the check that it computes what the sharded model does
+    result: dict[str, Any] = {"losses": losses, "checkpoint": ckpt, "train_s": train_s, **loaded}
+    result.update(export_and_check(model, os.path.join(out_dir, "hf"), probe, say))
+    dist.barrier()  # nobody leaves (and tears the process group down) before rank 0 is done
+    return result
+
+
+def load_sharded(pretrained: str, probe: Any, say: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+    """Steps 1-2: the model from its config on the meta device, ``fully_shard`` per decoder layer and on the root,
+    storage for this rank's shards, the weights broadcast from rank 0's file; then the load check (rank 0: whether
+    the sharded model's logits on ``probe`` equal the unsharded pretrained model's). Returns the model and
+    ``n_params`` (and, on rank 0, the check's result)."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # torch's FSDP2: fully_shard from torch.distributed.fsdp, and set_model_state_dict with
+    # StateDictOptions(full_state_dict=True, broadcast_from_rank0=True) for the loading
+    from fully_shard import broadcast_full_state_dict, fully_shard
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     # 1. the model from its config alone, on the meta device: no memory, no init
     config = LlamaConfig.from_pretrained(pretrained)
     with torch.device("meta"):
@@ -166,26 +194,32 @@ def recipe(
     broadcast_full_state_dict(model, full)
     del full
     # the load check: the sharded model computes what the unsharded pretrained model does
-    corpus = load_corpus(None, max_mb=0.25)
-    probe = corpus[:seq_len].unsqueeze(0)
     model.eval()
     with torch.no_grad():
         loaded_logits = model(input_ids=probe).logits
     model.reshard()  # no backward follows this forward: free the root's gathered parameters
-    loaded: dict[str, Any] = {}
+    loaded: dict[str, Any] = {"n_params": n_params}
     if rank == 0:
         transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
         original = LlamaForCausalLM.from_pretrained(pretrained, dtype=torch.float32).eval()
         with torch.no_grad():
             original_logits = original(input_ids=probe).logits
-        loaded = {"loaded_equal": bool(torch.equal(original_logits, loaded_logits)),
-                  "loaded_max_abs_diff": float((original_logits - loaded_logits).abs().max())}
+        loaded.update(loaded_equal=bool(torch.equal(original_logits, loaded_logits)),
+                      loaded_max_abs_diff=float((original_logits - loaded_logits).abs().max()))
         del original
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     say(f"LlamaForCausalLM from {pretrained}: {n_params:,} parameters, {config.num_hidden_layers} layers, "
         f"built on meta, fully_shard on {world_size} ranks, weights broadcast from rank 0")
+    return model, loaded
 
-    # 3. train
+
+def fine_tune(model: Any, optimizer: Any, corpus: Any, *, steps: int, seq_len: int, batch_size: int, seed: int,
+              say: Callable[[str], None]) -> tuple[list[float], float]:
+    """Step 3: ``steps`` AdamW steps, each rank on its own random windows of ``corpus``, with Hugging Face's own loss;
+    the losses (mean over ranks) and the seconds it took."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     losses: list[float] = []
     model.train()
     start = time.perf_counter()
@@ -203,13 +237,18 @@ def recipe(
         losses.append(mean.item() / world_size)
         if step == 1 or step == steps or step % 5 == 0:
             say(f"step {step:>3}/{steps} | loss {losses[-1]:.4f}")
-    train_s = time.perf_counter() - start
+    return losses, time.perf_counter() - start
 
-    # 4. a sharded DCP checkpoint (each rank writes its own shards), crash-safe
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    ckpt = save_checkpoint({"model": model_sd, "optim": optim_sd, "step": steps},
-                           os.path.join(out_dir, "checkpoints"), steps)
-    say(f"checkpoint (DCP, sharded): {ckpt}")
+
+def export_and_check(model: Any, export_dir: str, probe: Any, say: Callable[[str], None]) -> dict[str, Any]:
+    """Steps 5-6: the full weights as one safetensors file (every rank takes part, rank 0 writes), then
+    ``from_pretrained`` of the export on rank 0 against the sharded model's logits on ``probe``."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import LlamaForCausalLM
 
     # the logits of the trained sharded model on a fixed input: every rank runs the forward
     # (the all-gathers need them all) and gets the same logits
@@ -220,30 +259,28 @@ def recipe(
     # 5. full weights on rank 0: a collective, so every rank calls it; with cpu_offload the
     # full tensors exist on rank 0 only (one at a time on the device), the others get {}
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    export_dir = os.path.join(out_dir, "hf")
-    result: dict[str, Any] = {"losses": losses, "checkpoint": ckpt, "export_dir": export_dir,
-                              "train_s": train_s, "n_params": n_params, **loaded}
-    if rank == 0:
-        os.makedirs(export_dir, exist_ok=True)
-        model.config.save_pretrained(export_dir)
-        weights = os.path.join(export_dir, "model.safetensors")
-        save_file({k: v.contiguous() for k, v in full.items()}, weights, metadata={"format": "pt"})
-        say(f"export: {weights} ({len(full)} tensors, {os.path.getsize(weights):,} bytes) + config.json")
+    result: dict[str, Any] = {"export_dir": export_dir}
+    if dist.get_rank() != 0:
+        return result
+    os.makedirs(export_dir, exist_ok=True)
+    model.config.save_pretrained(export_dir)
+    weights = os.path.join(export_dir, "model.safetensors")
+    save_file({k: v.contiguous() for k, v in full.items()}, weights, metadata={"format": "pt"})
+    say(f"export: {weights} ({len(full)} tensors, {os.path.getsize(weights):,} bytes) + config.json")
 
-        # 6. the check: a plain (unsharded) model loaded by transformers from the export
-        transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
-        reloaded = LlamaForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-        reloaded.eval()
-        with torch.no_grad():
-            reloaded_logits = reloaded(input_ids=probe).logits
-        result["logits_equal"] = bool(torch.equal(reloaded_logits, sharded_logits))
-        result["max_abs_diff"] = float((reloaded_logits - sharded_logits).abs().max())
-        result["exported_keys"] = sorted(full)
-        result["model_keys"] = sorted(reloaded.state_dict())
-        verdict = "identical (bitwise)" if result["logits_equal"] else f"max |diff| {result['max_abs_diff']:.3g}"
-        say(f"check: LlamaForCausalLM.from_pretrained({export_dir!r}) logits vs the sharded model's "
-            f"on a fixed input of {seq_len} tokens: {verdict}")
-    dist.barrier()  # nobody leaves (and tears the process group down) before rank 0 is done
+    # 6. the check: a plain (unsharded) model loaded by transformers from the export
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar
+    reloaded = LlamaForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+    reloaded.eval()
+    with torch.no_grad():
+        reloaded_logits = reloaded(input_ids=probe).logits
+    result["logits_equal"] = bool(torch.equal(reloaded_logits, sharded_logits))
+    result["max_abs_diff"] = float((reloaded_logits - sharded_logits).abs().max())
+    result["exported_keys"] = sorted(full)
+    result["model_keys"] = sorted(reloaded.state_dict())
+    verdict = "identical (bitwise)" if result["logits_equal"] else f"max |diff| {result['max_abs_diff']:.3g}"
+    say(f"check: LlamaForCausalLM.from_pretrained({export_dir!r}) logits vs the sharded model's "
+        f"on a fixed input of {probe.shape[1]} tokens: {verdict}")
     return result
 
 

@@ -27,12 +27,18 @@ torchrun per group. See docs/fault-tolerance.md.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
+STARTED = time.monotonic()  # this process's start, near enough: fault tolerance measures its start-up from here
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, EXAMPLES)
 from common import (  # the helpers the examples share (examples/ is on sys.path just above)
@@ -40,13 +46,25 @@ from common import (  # the helpers the examples share (examples/ is on sys.path
     choose_device, launch_script, leave_worker, load_text, lr_lambda, non_negative_float, parse_with_config, peak_flops,
     positive_float, positive_int, save_loss_curve, start_profiler, state_digest, tokenize, training_state_bytes,
 )
-from fault_tolerance import Chaos, parse_kill
+from fault_tolerance import LOOPBACK, Chaos, parse_kill
+
+if TYPE_CHECKING:  # torch is imported where it is used: --help and the launcher answer before it loads
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 MODEL_FLAGS = ("dim", "n_layers", "n_heads", "seq_len", "tokenizer", "vocab_size")  # shapes a checkpoint fixes
 RESHARD = {"true": True, "false": False, "none": None}
 
+# The recipe, top to bottom: 1. config (flags, TOML) -> 2. the world (process group, mesh, log) -> 3. data ->
+# 4. model, parallelized -> 5. optimizer and schedule -> 6. fault tolerance (torchft) -> 7. checkpoint restore ->
+# 8. the training loop (one step: forward/backward, commit, optimizer) -> 9. eval, checkpoint, log -> 10. summary.
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+
+# -- 1. config: every flag is declared here; a TOML job config (--config) may set any of them -----------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
@@ -111,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f("--ft-timeout", type=positive_float, default=60.0, help="seconds any collective, quorum or recovery may take")
     f("--ft-lighthouse", metavar="URL", help="an existing Lighthouse (default: $TORCHFT_LIGHTHOUSE under torchrun, "
       "else one started here)")
+    f("--ft-lighthouse-bind", metavar="HOST", default=LOOPBACK, help="the address the Lighthouse started here listens "
+      "on: loopback (only this machine's workers reach it), or :: / 0.0.0.0 (every interface) for replica groups on "
+      "other machines; see docs/fault-tolerance.md for what else listens")
     f("--ft-join-at", metavar="STEPS", default="", help="testing: groups (re)join only at these steps (comma-"
       "separated), which wait for every group as step 1 does; other steps' quorums only shrink (deterministic runs)")
     f("--ft-kill", metavar="R:K:STEP:WHERE", type=parse_kill, action="append", help="testing (repeatable): SIGKILL "
@@ -128,7 +149,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c("--ckpt-async", action="store_true", help="save with dcp.async_save while training goes on")
     c("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir: "
       "model, optimizer, schedule, RNG and data position")
-    args = parse_with_config(p, argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse combinations that cannot work, naming the flags (``p.error``: status 2, before any worker starts)."""
     if args.dim % args.n_heads or (args.dim // args.n_heads) % 2:
         p.error(f"--dim ({args.dim}) must be divisible by --n-heads ({args.n_heads}), into an even head size")
     if args.data is not None and not os.path.isfile(args.data):
@@ -149,6 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for flag, reason in why.items():
             if getattr(args, flag.replace("-", "_")) not in (None, False):
                 p.error(f"--ft-enable and --{flag}: {reason}")
+        try:
+            ipaddress.ip_address(args.ft_lighthouse_bind)
+        except ValueError:
+            p.error(f"--ft-lighthouse-bind {args.ft_lighthouse_bind!r} is not an IP address of this machine: pass "
+                    f"{LOOPBACK} (loopback, the default), :: or 0.0.0.0 (every interface), or one interface's address")
         if not 0 <= args.ft_replica_id < args.ft_group_size:
             p.error(f"--ft-replica-id {args.ft_replica_id} must be in [0, --ft-group-size {args.ft_group_size})")
     for flag in ("ckpt_every", "ckpt_keep", "ckpt_async", "resume"):
@@ -156,6 +186,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} needs --ckpt-dir")
     if not args.no_plot and not args.plot.lower().endswith(".png"):
         p.error(f"--plot {args.plot!r} must name a .png file")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = parse_with_config(p, argv)
+    check_args(p, args)
     return args
 
 
@@ -173,60 +209,102 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def run(args: argparse.Namespace) -> None:
+# -- 2. the world: this process's rank and device, the mesh, the log -------------------------------------------------
+
+
+@dataclass
+class World:
+    rank: int
+    size: int  # ranks of this process group (with --ft-enable: of this replica group)
+    device: torch.device
+    mesh: DeviceMesh
+    replica: int  # fault tolerant: this replica group; the data-parallel replicas are the groups x the ranks
+    replicas: int
+    out: Progress  # log lines and the progress bar, on rank 0
+    log: Callable[[str], None]
+
+
+def init_world(args: argparse.Namespace) -> World:
+    """The process group is up (main); this rank's device, the (FSDP or HSDP) mesh and the log."""
     import torch
     import torch.distributed as dist
-    from model import ModelArgs, Transformer
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.utils.data import DataLoader
 
-    if args.fsdp == "torch":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    else:
-        from fully_shard import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
-    from fully_shard.ckpt import CheckpointManager
-    from fully_shard.optim import in_backward, local_step
-
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu") if args.device == "cpu" else torch.device(args.device, int(os.environ["LOCAL_RANK"]))
     # fault tolerant: this process group is one replica group, sharding over its own ranks; the replicas of the data
     # are the groups (ranks replica * world + rank of the data-parallel world)
     replica, replicas = (args.ft_replica_id, args.ft_group_size) if args.ft_enable else (0, 1)
-    mesh = (init_device_mesh(device.type, (world,)) if args.hsdp is None
-            else init_device_mesh(device.type, (args.hsdp, world // args.hsdp)))
+    mesh = (init_device_mesh(device.type, (size,)) if args.hsdp is None
+            else init_device_mesh(device.type, (args.hsdp, size // args.hsdp)))
     out = Progress(enabled=rank == 0, want_bar=not args.no_progress and not args.ft_enable)
     log = out.log if not args.ft_enable else (lambda msg: out.log(f"[replica {replica}] {msg}"))
     if args.ft_enable:  # one metrics file and plot per replica group
         args.metrics, args.plot = (f"{os.path.splitext(f)[0]}.replica{replica}{os.path.splitext(f)[1]}"
                                    for f in (args.metrics, args.plot))
+    return World(rank, size, device, mesh, replica, replicas, out, log)
 
-    # 1. data: BPE (rank 0 trains it, the others receive it) or bytes; 5% held out for eval
+
+# -- 3. data: BPE (rank 0 trains it, the others receive it) or bytes; 5% held out for eval ---------------------------
+
+
+@dataclass
+class Data:
+    tokens: int
+    vocab: int
+    train_set: WindowDataset
+    eval_set: WindowDataset
+    sampler: StatefulBatchSampler  # this rank's batches; its position is in the checkpoint
+
+
+def build_data(args: argparse.Namespace, world: World) -> Data:
     tokens, vocab = tokenize(load_text(args.data), args.tokenizer, args.vocab_size)
     split = int(len(tokens) * 0.95)
     train_set, eval_set = WindowDataset(tokens[:split], args.seq_len), WindowDataset(tokens[split:], args.seq_len)
-    sampler = StatefulBatchSampler(len(train_set), args.batch_size, replica * world + rank, replicas * world, args.seed)
+    sampler = StatefulBatchSampler(len(train_set), args.batch_size, world.replica * world.size + world.rank,
+                                   world.replicas * world.size, args.seed)
+    return Data(len(tokens), vocab, train_set, eval_set, sampler)
 
-    # 2. model: the same init on every rank, then (AC, compile,) fully_shard per block, then the root
+
+# -- 4. model: the same init on every rank, then parallelized --------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace, vocab: int, device: torch.device) -> torch.nn.Module:
+    import torch
+    from model import ModelArgs, Transformer
+
     torch.manual_seed(args.seed)
     margs = ModelArgs(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=vocab,
                       max_seq_len=args.seq_len)
     with torch.device(device):
         model = Transformer(margs)
         model.init_weights()
-    n_params = sum(p.numel() for p in model.parameters())
+    return model
+
+
+def parallelize(model: torch.nn.Module, args: argparse.Namespace, mesh: DeviceMesh, log: Callable[[str], None]) -> None:
+    """torch's FSDP2 recipe, in place: (activation checkpointing, compile,) ``fully_shard`` each block, then the root,
+    which takes the embeddings, the final norm and the output; then (--comm-quant) quantized collectives."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if args.fsdp == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from fully_shard import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
+
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if args.mixed_precision == "bf16" else MixedPrecisionPolicy())
     if args.fit:  # fully_shard.plan.fit: its fully_shard calls, checkpointing and settings instead of those below
         from functools import partial
 
         from fully_shard.tools.planner import fit
-        fit(partial(Transformer, margs), tuple(mesh.shape), args.fit, device_type=device.type,
+        fit(partial(type(model), model.args), tuple(mesh.shape), args.fit, device_type=mesh.device_type,
             mixed_precision=args.mixed_precision == "bf16").apply(model, mesh)
-    for i, block in enumerate(model.layers if not args.fit else []):
+    layers: Any = model.layers if not args.fit else []
+    for i, block in enumerate(layers):
         if args.activation_checkpointing:
-            block = model.layers[i] = checkpoint_wrapper(block)
+            block = layers[i] = checkpoint_wrapper(block)
         if args.compile:
             block.compile()  # in place: parameter names and state-dict keys unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
@@ -239,6 +317,17 @@ def run(args: argparse.Namespace) -> None:
         log("quantized collectives: "
             + "; ".join(f"{name or '(root)'}: {how}" for name, how in list(quantized.items())[:2])
             + (f"; ... ({len(quantized)} modules)" if len(quantized) > 2 else ""))
+
+
+# -- 5. optimizer and learning-rate schedule --------------------------------------------------------------------------
+
+
+def build_optimizers(args: argparse.Namespace, model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
+    """The optimizers (one, or one per parameter with --optimizer-in-backward) and a warmup-cosine schedule each."""
+    import torch
+
+    from fully_shard.optim import in_backward, local_step
+
     adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     if args.optimizer == "muon":  # each block matrix orthogonalized once, on its owner rank
         from fully_shard.optim import MuonAdamW, muon_param_groups
@@ -252,180 +341,330 @@ def run(args: argparse.Namespace) -> None:
     else:  # local_step: AdamW steps on the local shards as plain tensors (bitwise the same, state stays DTensor)
         optimizers = [local_step(torch.optim.AdamW(model.parameters(), **adamw))]
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(args.warmup, args.steps)) for o in optimizers]
-    ft, chaos = None, Chaos(args.ft_kill, replica, rank)
-    if args.ft_enable:  # 2b. torchft: the cross-group reduction, quorum and live recovery (fully_shard.tools.ft)
-        from fault_tolerance import make_manager, wait_for_all
+    return optimizers, schedulers
+
+
+# -- 6. fault tolerance: the cross-group reduction, quorum and live recovery (torchft, fully_shard.tools.ft) ----------
+
+
+class FaultTolerance:
+    """This replica group's torchft side: each step joins a quorum (a group that is behind receives its state there),
+    and commits only if every group in it finished the step.
+
+    Its waits follow what this worker measured, not fixed times, so that a loaded machine slows them down with it:
+    its start-up (process start to the first quorum: what a restarted group has to go through again) and its steps
+    (the median time of the committed ones)."""
+
+    def __init__(self, args: argparse.Namespace, world: World, model: Any, optimizers: list[Any],
+                 schedulers: list[Any], chaos: Chaos) -> None:
+        from fault_tolerance import make_manager
 
         from fully_shard.tools.ft import FaultTolerantHSDP
 
         (optimizer,), (scheduler,) = optimizers, schedulers  # one each: --optimizer-in-backward is refused
-        ft_manager = make_manager(args, device, args.ft_timeout)
-        ft = FaultTolerantHSDP(ft_manager, model, optimizer)  # the model's and optimizer's shards; the schedule too:
-        ft_manager.register_state_dict_fn("schedule", scheduler.load_state_dict,
-                                          lambda: (chaos("send", ft_manager.current_step()), scheduler.state_dict())[1])
-        optimizer.register_step_post_hook(lambda *_: chaos("optim", ft_manager.current_step()))  # after the commit
-        join_steps = {1} | {int(x) for x in args.ft_join_at.split(",") if x}
-    log(f"fully_shard on {world} ranks ({dist.get_backend()}, {device.type}) | {n_params:,} parameters, "
-        f"optimizer {type(optimizers[0]).__name__}" + (" in backward" if args.optimizer_in_backward else "") + ", "
-        f"{args.n_layers} blocks, dim {args.dim} | mesh {tuple(mesh.shape)} | data: {len(tokens):,} tokens "
-        f"({args.tokenizer}, vocabulary {vocab}), {len(train_set):,} train / {len(eval_set):,} eval windows")
-    if out.note:
-        log(out.note)
+        self.args, self.world, self.optimizer = args, world, optimizer
+        self.manager = manager = make_manager(args, world.device, args.ft_timeout)
+        self.ft = FaultTolerantHSDP(manager, model, optimizer)  # the model's and optimizer's shards; the schedule too:
+        manager.register_state_dict_fn("schedule", scheduler.load_state_dict,
+                                       lambda: (chaos("send", manager.current_step()), scheduler.state_dict())[1])
+        optimizer.register_step_post_hook(lambda *_: chaos("optim", manager.current_step()))  # after the commit
+        self.join_steps = {1} | {int(x) for x in args.ft_join_at.split(",") if x}
+        self.last_commit = time.monotonic()
+        self.startup_s: float | None = None  # measured at the first quorum
+        self.step_s: list[float] = []  # the committed steps, quorum to commit
 
-    # 3. checkpoints: everything that makes a resumed run the uninterrupted one
-    manager = None if args.ckpt_dir is None else CheckpointManager(
-        args.ckpt_dir, interval=args.ckpt_every or args.steps, keep_latest_k=args.ckpt_keep, async_save=args.ckpt_async)
-    losses: list[float] = []
-    evals: list[tuple[int, float]] = []
+    def measured(self) -> str:
+        step = f", median step {statistics.median(self.step_s):.2f} s" if self.step_s else ""
+        return f"this group's start-up {self.startup_s or 0.0:.0f} s{step}, measured"
 
-    def state(step: int) -> dict[str, object]:
-        model_sd, optim_sd = get_state_dict(model, optimizers)
-        flags = {k: getattr(args, k) for k in MODEL_FLAGS}
-        return {"model": model_sd, "optim": optim_sd, "sched": schedulers[0].state_dict(), "data": sampler.state_dict(),
-                "train": {"step": step, "losses": list(losses), "evals": [list(e) for e in evals], "flags": flags,
-                          "world_size": world}, f"rng_rank{rank}": torch.get_rng_state()}
+    def join_wait(self) -> float:
+        """How long a step of --ft-join-at waits for every group, and any quorum may take (it waits for a group that
+        is (re)starting, or for a restarted Lighthouse): a restart goes through about the start-up this worker
+        measured, so three of those (at least --ft-timeout)."""
+        return max(self.args.ft_timeout, 3 * (self.startup_s or 0.0))
 
-    start = 0
-    if args.resume and manager is not None and manager.latest() is not None:
-        path, template = manager.latest(), state(0)
+    def commit_limit(self) -> float:
+        """How long a group may go without committing a step before it gives up: twice --ft-timeout (a lost peer is
+        detected within one), or longer if a restart (3 start-ups) and 20 steps as measured here take longer."""
+        step = statistics.median(self.step_s) if self.step_s else 0.0
+        return max(2 * self.args.ft_timeout, 3 * (self.startup_s or 0.0) + 20 * step)
+
+    def start_step(self) -> int:
+        """Join this step's quorum; returns the step the group is at (later than before after a live recovery)."""
+        from fault_tolerance import wait_for_all
+
+        if self.startup_s is None:
+            self.startup_s = time.monotonic() - STARTED
+        self.step_start = time.monotonic()
+        before = self.manager.current_step()
+        if before + 1 in self.join_steps:
+            wait_for_all(self.ft, self.world.replicas, self.join_wait(), self.world.log,
+                         f"{self.join_wait():.0f} s: 3 x {self.measured()}, at least --ft-timeout")
+        else:
+            self.ft.start_step(shrink_only=bool(self.args.ft_join_at), timeout=self.join_wait())
+        step = int(self.manager.current_step())
+        if step != before:
+            self.world.log(f"recovered live at step {step} from a healthy replica group (each rank: its peer's shards)")
+        return step
+
+    def commit(self, step: int) -> bool:
+        """Whether every rank of every group in the quorum finished ``step``; if not, its gradients are dropped (the
+        step runs again), and a group that has committed nothing for longer than :meth:`commit_limit` raises."""
+        if self.ft.should_commit():
+            self.last_commit = time.monotonic()
+            self.step_s.append(self.last_commit - self.step_start)
+            return True
+        self.optimizer.zero_grad(set_to_none=True)
+        error = getattr(self.manager.errored(), "original_exception", None)
+        why = str(error).splitlines()[0][:160] if error else "too few replica groups"
+        self.world.log(f"step {step} not committed ({why}); running it again")
+        if time.monotonic() - self.last_commit > self.commit_limit():
+            raise RuntimeError(f"fault tolerance: no step committed for {time.monotonic() - self.last_commit:.0f} s "
+                               f"(replica group {self.world.replica}, step {step}; the limit: "
+                               f"{self.commit_limit():.0f} s, from 2 x --ft-timeout and {self.measured()}); the last "
+                               f"failure: {why}")
+        return False
+
+    def row(self) -> dict[str, int]:
+        """Which groups this step averaged over, and the batches committed in all (all groups)."""
+        return {"participants": self.manager.num_participants(), "batches_committed": self.manager.batches_committed()}
+
+    def close(self) -> None:
+        self.world.log(f"fault tolerance: at step {self.manager.current_step()}, {self.manager.batches_committed()} "
+                       "batches committed by all replica groups")
+        self.manager.shutdown(wait=False)
+
+
+# -- 7-10. the trainer: restore, the loop, its step, eval / checkpoint / log, the summary -----------------------------
+
+
+class Trainer:
+    """The job, built in the recipe's order; :meth:`train` runs the loop."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch.distributed as dist
+
+        from fully_shard.ckpt import CheckpointManager
+
+        self.args = args
+        self.world = world = init_world(args)
+        self.data = build_data(args, world)
+        self.model = build_model(args, self.data.vocab, world.device)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        parallelize(self.model, args, world.mesh, world.log)
+        self.optimizers, self.schedulers = build_optimizers(args, self.model)
+        self.chaos = Chaos(args.ft_kill, world.replica, world.rank)
+        self.ft = (FaultTolerance(args, world, self.model, self.optimizers, self.schedulers, self.chaos)
+                   if args.ft_enable else None)
+        world.log(f"fully_shard on {world.size} ranks ({dist.get_backend()}, {world.device.type}) | "
+                  f"{self.n_params:,} parameters, optimizer {type(self.optimizers[0]).__name__}"
+                  + (" in backward" if args.optimizer_in_backward else "") + ", "
+                  f"{args.n_layers} blocks, dim {args.dim} | mesh {tuple(world.mesh.shape)} | data: "
+                  f"{self.data.tokens:,} tokens ({args.tokenizer}, vocabulary {self.data.vocab}), "
+                  f"{len(self.data.train_set):,} train / {len(self.data.eval_set):,} eval windows")
+        if world.out.note:
+            world.log(world.out.note)
+        self.ckpt = None if args.ckpt_dir is None else CheckpointManager(
+            args.ckpt_dir, interval=args.ckpt_every or args.steps, keep_latest_k=args.ckpt_keep,
+            async_save=args.ckpt_async)
+        self.losses: list[float] = []
+        self.evals: list[tuple[int, float]] = []
+        self.start = self.restore() if args.resume and self.ckpt is not None and self.ckpt.latest() is not None else 0
+        self.batches = self.data_from(self.data.sampler)
+        self.train_time, self.mem = 0.0, 0
+
+    def data_from(self, sampler: StatefulBatchSampler) -> Iterator[Any]:
+        from torch.utils.data import DataLoader
+
+        return iter(DataLoader(self.data.train_set, batch_sampler=sampler, num_workers=0))  # type: ignore[arg-type]
+
+    # 7. checkpoints: everything that makes a resumed run the uninterrupted one
+
+    def state(self, step: int) -> dict[str, object]:
+        import torch
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        flags = {k: getattr(self.args, k) for k in MODEL_FLAGS}
+        return {"model": model_sd, "optim": optim_sd, "sched": self.schedulers[0].state_dict(),
+                "data": self.data.sampler.state_dict(),
+                "train": {"step": step, "losses": list(self.losses), "evals": [list(e) for e in self.evals],
+                          "flags": flags, "world_size": self.world.size},
+                f"rng_rank{self.world.rank}": torch.get_rng_state()}
+
+    def restore(self) -> int:
+        """Load the newest checkpoint of --ckpt-dir (refused, status 2, if saved with other shapes); its step."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        assert self.ckpt is not None
+        args, world, rng = self.args, self.world, f"rng_rank{self.world.rank}"
+        path, template = self.ckpt.latest(), self.state(0)
         meta = {"train": template.pop("train")}
-        manager.load_latest(meta)
-        saved = meta["train"]
+        self.ckpt.load_latest(meta)
+        saved: Any = meta["train"]
         wrong = [f"--{k.replace('_', '-')} {saved['flags'][k]!r} (now {getattr(args, k)!r})"
                  for k in MODEL_FLAGS if saved["flags"][k] != getattr(args, k)]
         if wrong:  # exit 2, like a bad flag
-            if rank == 0:
+            if world.rank == 0:
                 print(f"train.py: error: {path} was saved with other shapes: {', '.join(wrong)}; resume with "
                       "the flags it was saved with, or use another --ckpt-dir", file=sys.stderr, flush=True)
             raise SystemExit(2)
-        if saved["world_size"] != world:  # DCP reshards the state; the old ranks' RNG keys are not ours
-            del template[f"rng_rank{rank}"]
-            log(f"note: saved on {saved['world_size']} ranks, resumed on {world}: weights, optimizer and schedule "
-                "continue, but the data order and RNG differ from the uninterrupted run")
-        manager.load_latest(template)
-        set_state_dict(model, optimizers, model_state_dict=template["model"], optim_state_dict=template["optim"])
-        for scheduler in schedulers:
-            scheduler.load_state_dict(template["sched"])  # type: ignore[arg-type]
-        sampler.load_state_dict(template["data"])  # type: ignore[arg-type]
-        if f"rng_rank{rank}" in template:
-            torch.set_rng_state(template[f"rng_rank{rank}"])  # type: ignore[arg-type]
-        start, losses, evals = (int(saved["step"]), [float(x) for x in saved["losses"]],
-                                [tuple(e) for e in saved["evals"]])
-        log(f"resumed from {path}: step {start}, model, optimizer, schedule, RNG and data position "
-            f"(epoch {sampler.epoch}, batch {sampler.batch}) restored")
-    batches = iter(DataLoader(train_set, batch_sampler=sampler, num_workers=0))  # type: ignore[arg-type]
+        if saved["world_size"] != world.size:  # DCP reshards the state; the old ranks' RNG keys are not ours
+            del template[rng]
+            world.log(f"note: saved on {saved['world_size']} ranks, resumed on {world.size}: weights, optimizer and "
+                      "schedule continue, but the data order and RNG differ from the uninterrupted run")
+        self.ckpt.load_latest(template)
+        set_state_dict(self.model, self.optimizers, model_state_dict=template["model"],
+                       optim_state_dict=template["optim"])
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(template["sched"])
+        self.data.sampler.load_state_dict(template["data"])  # type: ignore[arg-type]
+        if rng in template:
+            torch.set_rng_state(template[rng])  # type: ignore[arg-type]
+        self.losses, self.evals = [float(x) for x in saved["losses"]], [tuple(e) for e in saved["evals"]]
+        world.log(f"resumed from {path}: step {int(saved['step'])}, model, optimizer, schedule, RNG and data position "
+                  f"(epoch {self.data.sampler.epoch}, batch {self.data.sampler.batch}) restored")
+        return int(saved["step"])
 
-    # 4. the training loop
-    tokens_per_step = args.batch_size * args.seq_len * world * args.grad_accum
-    flops = flops_per_token(n_params, args.n_layers, args.dim, args.seq_len)
-    peak = peak_flops(device, args.peak_tflops)
-    restarted = args.ft_enable and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"  # append to its metrics
-    metrics = Metrics(args.metrics if rank == 0 else None, args.tensorboard if rank == 0 else None,
-                      start > 0 or restarted)
-    fmt = repr if args.exact_loss else (lambda x: f"{x:.4f}")
-    prof = None if args.profile is None else start_profiler(args.profile, rank, device)
-    train_time, mem = 0.0, 0
-    out.start(total=args.steps, initial=start)
-    step, last_commit = start, time.monotonic()
-    while step < args.steps:
-        if ft is not None:  # join the step's quorum; a group that is behind receives its state here
-            before = ft_manager.current_step()
-            if before + 1 in join_steps:
-                wait_for_all(ft, replicas, args.ft_timeout, log)
-            else:
-                ft.start_step(shrink_only=bool(args.ft_join_at))
-            step = ft_manager.current_step()
-            if step != before:
-                log(f"recovered live at step {step} from a healthy replica group (each rank: its peer's shards)")
-            if step >= args.steps:
-                break
-            sampler.seek(step * args.grad_accum)  # this step's batches, whichever attempt runs it
-            batches = iter(DataLoader(train_set, batch_sampler=sampler, num_workers=0))  # type: ignore[arg-type]
-        chaos("forward", step + 1)
-        step += 1
-        t0 = time.perf_counter()
-        total = torch.zeros((), device=device)
+    # 8. the training loop
+
+    def train(self) -> None:
+        args, world = self.args, self.world
+        self.tokens_per_step = args.batch_size * args.seq_len * world.size * args.grad_accum
+        self.flops = flops_per_token(self.n_params, args.n_layers, args.dim, args.seq_len)
+        self.peak = peak_flops(world.device, args.peak_tflops)
+        restarted = args.ft_enable and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"  # append to its file
+        self.metrics = Metrics(args.metrics if world.rank == 0 else None,
+                               args.tensorboard if world.rank == 0 else None, self.start > 0 or restarted)
+        self.fmt = repr if args.exact_loss else (lambda x: f"{x:.4f}")
+        self.prof = None if args.profile is None else start_profiler(args.profile, world.rank, world.device)
+        world.out.start(total=args.steps, initial=self.start)
+        step = self.start
+        while step < args.steps:
+            if self.ft is not None:  # join the step's quorum; a group that is behind receives its state here
+                step = self.ft.start_step()
+                if step >= args.steps:
+                    break
+                self.data.sampler.seek(step * args.grad_accum)  # this step's batches, whichever attempt runs it
+                self.batches = self.data_from(self.data.sampler)
+            self.chaos("forward", step + 1)
+            t0 = time.perf_counter()
+            total = self.forward_backward()
+            if self.ft is not None and not self.ft.commit(step + 1):  # every rank of every group must agree
+                continue
+            step += 1
+            lr = self.optimizer_step()
+            self.after_step(step, total, lr, t0)
+        self.finish()
+
+    def forward_backward(self) -> torch.Tensor:
+        """One step's micro-batches: forward, loss, backward (the gradients reduced once, at the last); clipping."""
+        import torch
+
+        args, model = self.args, self.model
+        total = torch.zeros((), device=self.world.device)
         for micro in range(args.grad_accum):
             model.set_requires_gradient_sync(micro == args.grad_accum - 1)  # reduce-scatter once per step
-            x, y = (t.to(device) for t in next(batches))
+            x, y = (t.to(self.world.device) for t in next(self.batches))
             loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / args.grad_accum
             loss.backward()  # --optimizer-in-backward: the synced one steps every parameter
             total += loss.detach()
         if args.max_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        if ft is not None and not ft.should_commit():  # every rank of every group in the quorum must agree
-            optimizers[0].zero_grad(set_to_none=True)
-            step -= 1
-            error = getattr(ft_manager.errored(), "original_exception", None)
-            why = str(error).splitlines()[0][:160] if error else "too few replica groups"
-            log(f"step {step + 1} not committed ({why}); running it again")
-            if time.monotonic() - last_commit > 2 * args.ft_timeout:
-                raise RuntimeError(f"fault tolerance: no step committed for {2 * args.ft_timeout:.0f} s (replica group "
-                                   f"{replica}, step {step + 1}); the last failure: {why}")
-            continue
-        last_commit = time.monotonic()
-        if not args.optimizer_in_backward:
-            optimizers[0].step()
-        mem = max(mem, training_state_bytes(model, *optimizers))
-        for optimizer in optimizers:
+        return total
+
+    def optimizer_step(self) -> float:
+        """Step the optimizer (unless it stepped in backward) and the schedule; the learning rate the step used."""
+        if not self.args.optimizer_in_backward:
+            self.optimizers[0].step()
+        self.mem = max(self.mem, training_state_bytes(self.model, *self.optimizers))
+        for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        lr = schedulers[0].get_last_lr()[0]
-        for scheduler in schedulers:
+        lr = float(self.schedulers[0].get_last_lr()[0])
+        for scheduler in self.schedulers:
             scheduler.step()
+        return lr
+
+    # 9. eval, checkpoint, log
+
+    def after_step(self, step: int, total: torch.Tensor, lr: float, t0: float) -> None:
+        """The step's loss (mean over ranks) and metrics row; eval, log and checkpoint when due."""
+        import torch
+        import torch.distributed as dist
+
+        args, world = self.args, self.world
         dist.all_reduce(total)  # mean over ranks; .item() also syncs the device
-        losses.append(total.item() / world)
-        dt = time.perf_counter() - t0
-        train_time += dt
-        tps = tokens_per_step / dt
-        row = {"loss": losses[-1], "lr": lr, "tokens_per_s": tps, "tflops_per_device": flops * tps / world / 1e12,
-               "state_bytes": mem}
-        if peak is not None:
-            row["mfu"] = flops * tps / world / peak
-        if device.type == "cuda":
-            row["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
-        if ft is not None:  # which groups this step averaged over, and the batches committed in all (all groups)
-            row.update(participants=ft_manager.num_participants(), batches_committed=ft_manager.batches_committed())
+        self.losses.append(total.item() / world.size)
+        dt = time.perf_counter() - t0  # the step, through the device's sync
+        self.train_time += dt
+        tps = self.tokens_per_step / dt
+        row = {"loss": self.losses[-1], "lr": lr, "tokens_per_s": tps,
+               "tflops_per_device": self.flops * tps / world.size / 1e12, "state_bytes": self.mem}
+        if self.peak is not None:
+            row["mfu"] = self.flops * tps / world.size / self.peak
+        if world.device.type == "cuda":
+            row["max_memory_allocated"] = torch.cuda.max_memory_allocated(world.device)
+        if self.ft is not None:
+            row.update(self.ft.row())
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            evals.append((step, eval_loss(model, eval_set, args.batch_size, args.eval_batches, device)))
-            row["eval_loss"] = evals[-1][1]
-        metrics.write(step, row)
-        out.update(losses[-1], tps)
-        if prof is not None:
-            prof.step()
-        if step % args.log_every == 0 or step == start + 1 or step == args.steps:
-            extra = f" | eval {fmt(evals[-1][1])}" if "eval_loss" in row else ""
-            mfu = f"MFU {row['mfu']:.1%}" if "mfu" in row else f"{row['tflops_per_device']:.3g} TFLOP/s/device"
-            log(f"step {step:>5}/{args.steps} | loss {fmt(losses[-1])} | lr {lr:.2e} | {tps:,.0f} tokens/s | {mfu} | "
-                f"state {fmt_bytes(mem)}" + (f" | max allocated {fmt_bytes(row['max_memory_allocated'])}"
-                                             if "max_memory_allocated" in row else "") + extra)
-        if manager is not None and manager.maybe_save(step, lambda s=step: state(s), force=step == args.steps):
-            log(f"checkpoint: {args.ckpt_dir}/step_{step}"
-                + (" (writing in the background)" if args.ckpt_async else ""))
-    if prof is not None:
-        prof.stop()
-        log(f"profile: {args.profile}/rank<r>.json (open in https://ui.perfetto.dev or chrome://tracing)")
-    for closing in (manager, out, metrics):  # the manager waits for an asynchronous save
-        if closing is not None:
-            closing.close()
-    if args.digest:
-        params, optim = state_digest(model, *optimizers)
-        who = f"replica {replica} rank {rank}" if args.ft_enable else f"rank {rank}"
-        sys.stdout.write(f"digest {who}: parameters {params} optimizer {optim}\n")
-        sys.stdout.flush()
-    if ft is not None:
-        log(f"fault tolerance: at step {ft_manager.current_step()}, {ft_manager.batches_committed()} batches committed "
-            "by all replica groups")
-        ft_manager.shutdown(wait=False)
-    if start >= args.steps or not losses:
-        log(f"nothing to do: the checkpoint is at step {start}, and --steps is {args.steps}")
-        return
-    tps = (args.steps - start) * tokens_per_step / train_time
-    log(f"summary: final loss {fmt(losses[-1])} (first {fmt(losses[0])}) | eval loss {fmt(evals[-1][1])} | {tps:,.0f} "
-        f"tokens/s | {train_time:.1f} s | parameters + gradients + optimizer state per rank {fmt_bytes(mem)}")
-    log(f"metrics: {args.metrics}")
-    if rank == 0 and not args.no_plot:
-        title = f"examples/train.py: {args.n_layers} blocks, dim {args.dim}, {world} ranks, mesh {tuple(mesh.shape)}"
-        log(save_loss_curve(args.plot, losses, evals, start, title))
+            self.evals.append((step, eval_loss(self.model, self.data.eval_set, args.batch_size, args.eval_batches,
+                                               world.device)))
+            row["eval_loss"] = self.evals[-1][1]
+        self.metrics.write(step, row)
+        world.out.update(self.losses[-1], tps)
+        if self.prof is not None:
+            self.prof.step()
+        if step % args.log_every == 0 or step == self.start + 1 or step == args.steps:
+            self.log_step(step, row)
+        if self.ckpt is not None and self.ckpt.maybe_save(step, lambda s=step: self.state(s),
+                                                          force=step == args.steps):
+            world.log(f"checkpoint: {args.ckpt_dir}/step_{step}"
+                      + (" (writing in the background)" if args.ckpt_async else ""))
+
+    def log_step(self, step: int, row: dict[str, float]) -> None:
+        fmt, mem = self.fmt, self.mem
+        extra = f" | eval {fmt(self.evals[-1][1])}" if "eval_loss" in row else ""
+        mfu = f"MFU {row['mfu']:.1%}" if "mfu" in row else f"{row['tflops_per_device']:.3g} TFLOP/s/device"
+        self.world.log(f"step {step:>5}/{self.args.steps} | loss {fmt(self.losses[-1])} | lr {row['lr']:.2e} | "
+                       f"{row['tokens_per_s']:,.0f} tokens/s | {mfu} | state {fmt_bytes(mem)}"
+                       + (f" | max allocated {fmt_bytes(row['max_memory_allocated'])}"
+                          if "max_memory_allocated" in row else "") + extra)
+
+    # 10. the summary
+
+    def finish(self) -> None:
+        args, world, fmt = self.args, self.world, self.fmt
+        if self.prof is not None:
+            self.prof.stop()
+            world.log(f"profile: {args.profile}/rank<r>.json (open in https://ui.perfetto.dev or chrome://tracing)")
+        for closing in (self.ckpt, world.out, self.metrics):  # the manager waits for an asynchronous save
+            if closing is not None:
+                closing.close()
+        if args.digest:
+            params, optim = state_digest(self.model, *self.optimizers)
+            who = f"replica {world.replica} rank {world.rank}" if args.ft_enable else f"rank {world.rank}"
+            sys.stdout.write(f"digest {who}: parameters {params} optimizer {optim}\n")
+            sys.stdout.flush()
+        if self.ft is not None:
+            self.ft.close()
+        if self.start >= args.steps or not self.losses:
+            world.log(f"nothing to do: the checkpoint is at step {self.start}, and --steps is {args.steps}")
+            return
+        tps = (args.steps - self.start) * self.tokens_per_step / self.train_time
+        world.log(f"summary: final loss {fmt(self.losses[-1])} (first {fmt(self.losses[0])}) | eval loss "
+                  f"{fmt(self.evals[-1][1])} | {tps:,.0f} tokens/s | {self.train_time:.1f} s | parameters + gradients "
+                  f"+ optimizer state per rank {fmt_bytes(self.mem)}")
+        world.log(f"metrics: {args.metrics}")
+        if world.rank == 0 and not args.no_plot:
+            title = (f"examples/train.py: {args.n_layers} blocks, dim {args.dim}, {world.size} ranks, "
+                     f"mesh {tuple(world.mesh.shape)}")
+            world.log(save_loss_curve(args.plot, self.losses, self.evals, self.start, title))
+
+
+def run(args: argparse.Namespace) -> None:
+    """The job on this process (the process group is up): build it, train, summarize."""
+    Trainer(args).train()
 
 
 def attempt_store(seconds: float | None) -> dict[str, object]:
@@ -468,7 +707,8 @@ def main() -> int:
             from fault_tolerance import launch
 
             return launch(os.path.abspath(__file__), worker_argv(args), replicas=args.ft_group_size, nproc=args.nproc,
-                          max_restarts=args.ft_max_restarts, lighthouse=args.ft_lighthouse, timeout=args.ft_timeout)
+                          max_restarts=args.ft_max_restarts, lighthouse=args.ft_lighthouse, timeout=args.ft_timeout,
+                          lighthouse_bind=args.ft_lighthouse_bind)
         return launch_script(os.path.abspath(__file__), args.nproc, worker_argv(args))
     import torch
     import torch.distributed as dist

@@ -12,6 +12,7 @@ docs/fault-tolerance.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -76,12 +77,14 @@ class FaultTolerantHSDP:
         manager.register_state_dict_fn("fully_shard", lambda sd: load_sharded_state_dict(model, optimizer, sd),
                                        lambda: sharded_state_dict(model, optimizer))
 
-    def start_step(self, *, shrink_only: bool = False) -> None:
+    def start_step(self, *, shrink_only: bool = False, timeout: float | None = None) -> None:
         """Join this step's quorum; a group that is behind receives its state here. ``shrink_only``: a quorum without
-        groups that were not in the last one (torchft's option; they wait). Raises ``RuntimeError`` naming the
-        Lighthouse when no quorum could be formed within the manager's quorum timeout."""
+        groups that were not in the last one (torchft's option; they wait). ``timeout``: seconds the quorum may take
+        (default: the manager's quorum timeout). Raises ``RuntimeError`` naming the Lighthouse when no quorum could be
+        formed in time."""
         try:
-            self.manager.start_quorum(shrink_only=shrink_only)
+            self.manager.start_quorum(shrink_only=shrink_only,
+                                      timeout=None if timeout is None else timedelta(seconds=timeout))
         except Exception as e:
             raise RuntimeError(f"fully_shard.tools.ft: no quorum for step {self.manager.current_step() + 1}: the "
                                "torchft Lighthouse (or this group's manager, on its rank 0) did not answer in time "
