@@ -299,8 +299,10 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, mesh: DeviceMe
         from functools import partial
 
         from fully_shard.tools.planner import fit
-        fit(partial(type(model), model.args), tuple(mesh.shape), args.fit, device_type=mesh.device_type,
-            mixed_precision=args.mixed_precision == "bf16").apply(model, mesh)
+        recipe = fit(partial(type(model), model.args), tuple(mesh.shape), args.fit, device_type=mesh.device_type,
+                     mixed_precision=args.mixed_precision == "bf16")
+        recipe.apply(model, mesh)
+        log(f"fit {args.fit}: {recipe.setting.describe()}; planned peak {recipe.peak_bytes:,} B at {recipe.peak_at}")
     layers: Any = model.layers if not args.fit else []
     for i, block in enumerate(layers):
         if args.activation_checkpointing:
