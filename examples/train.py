@@ -90,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s("--hsdp", type=positive_int, metavar="R", help="HSDP: a (R, N/R) mesh, replicated over R groups")
     s("--mixed-precision", choices=("none", "bf16"), default="none", help="bf16 params, fp32 reductions")
     s("--activation-checkpointing", action="store_true", help="recompute each block in backward")
-    s("--compile", action="store_true", help="torch.compile each block (after AC, before fully_shard)")
+    s("--compile", nargs="?", const="block", choices=("block", "whole"), default=None,
+      help="torch.compile each block (block, the default: after AC, before fully_shard), or the whole model after "
+      "fully_shard (whole: the collectives in the graph; docs/compile.md)")
     s("--reshard-after-forward", choices=sorted(RESHARD), default="none", help="none: all but the root")
     s("--comm-quant", choices=("none", "int8", "int4"), default="none",
       help="quantized collectives (fully_shard.quant): "
@@ -219,10 +221,12 @@ def run(args: argparse.Namespace) -> None:
     for i, block in enumerate(model.layers):
         if args.activation_checkpointing:
             block = model.layers[i] = checkpoint_wrapper(block)
-        if args.compile:
+        if args.compile == "block":
             block.compile()  # in place: parameter names and state-dict keys unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
+    if args.compile == "whole":
+        model.compile(fullgraph=True)  # in place, after fully_shard: the blocks' collectives in one graph
     if args.comm_quant != "none":  # after fully_shard: the Comm objects go on every sharded module
         from fully_shard.quant import quantize_comms
 
