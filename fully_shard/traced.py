@@ -151,7 +151,14 @@ def gathered_params(group: ParamGroup, reshard: bool) -> list[tuple[ShardedParam
 
 def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
     """Every floating-point tensor in ``tree`` cast to ``dtype`` (the eager path's input and output casts, written
-    with pytree, which dynamo traces)."""
+    with pytree, which dynamo traces).
+
+    Example::
+
+        >>> x, ids = cast_floating(torch.bfloat16, (torch.ones(2), torch.arange(2)))
+        >>> x.dtype, ids.dtype
+        (torch.bfloat16, torch.int64)
+    """
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
