@@ -134,12 +134,14 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -
                 parser.error(f"--config {known.config!r}: unknown key {key!r} (keys are the flags' names; "
                              f"see --help)")
             action = dests[dest]
+            if isinstance(value, bool) and action.nargs == "?":  # compile = true: the flag alone (its const)
+                value = action.const if value else None
             if action.type is not None and not isinstance(value, bool):
                 try:
                     value = action.type(str(value))
                 except (argparse.ArgumentTypeError, ValueError) as e:
                     parser.error(f"--config {known.config!r}: {key} = {value!r}: {e}")
-            if action.choices is not None and value not in action.choices:
+            if action.choices is not None and value is not None and value not in action.choices:
                 parser.error(f"--config {known.config!r}: {key} = {value!r} is not one of {list(action.choices)}")
             defaults[dest] = value
         parser.set_defaults(**defaults)

@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     s("--hsdp", type=positive_int, metavar="R", help="HSDP: a (R, N/R) mesh, replicated over R groups")
     s("--mixed-precision", choices=("none", "bf16"), default="none", help="bf16 params, fp32 reductions")
     s("--activation-checkpointing", action="store_true", help="recompute each block in backward")
-    s("--compile", action="store_true", help="torch.compile each block (after AC, before fully_shard)")
+    s("--compile", nargs="?", const="block", choices=("block", "whole"), default=None,
+      help="torch.compile each block (block, the default: after AC, before fully_shard), or the whole model after "
+      "fully_shard (whole: the collectives in the graph; docs/compile.md)")
     s("--reshard-after-forward", choices=sorted(RESHARD), default="none", help="none: all but the root")
     s("--fit", metavar="BUDGET", help="shard by the fastest recipe whose planned peak fits BUDGET per rank (e.g. 2GiB; "
       "fully_shard.plan.fit; --mixed-precision bf16 allows bf16) instead of the two options before")
@@ -307,11 +309,13 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, mesh: DeviceMe
     for i, block in enumerate(layers):
         if args.activation_checkpointing:
             block = layers[i] = checkpoint_wrapper(block)
-        if args.compile:
+        if args.compile == "block":
             block.compile()  # in place: parameter names and state-dict keys unchanged
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
     if not args.fit:
         fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
+    if args.compile == "whole":
+        model.compile(fullgraph=True)  # in place, after fully_shard: the blocks' collectives in one graph
     if args.comm_quant != "none":  # after fully_shard: the Comm objects go on every sharded module
         from fully_shard.quant import quantize_comms
 

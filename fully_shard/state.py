@@ -27,6 +27,7 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import traced
 from .comm import Ranks, all_reduce, record_function
 from .group import GradState, GroupState, ParamGroup, PendingReduce, transition
 from .param import STATE_ATTR, ShardedParam
@@ -38,6 +39,20 @@ def _not_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Keep a hook out of ``torch.compile`` graphs: it drives communication and Python state, so a compiled block runs
     its body compiled and these hooks eagerly around it."""
     return functools.wraps(fn)(torch.compiler.disable(fn, recursive=True))
+
+
+def _eager_as_top_frame(*hooks: Callable[..., Any]) -> None:
+    """Run these hooks eagerly when dynamo meets them as a frame of their own, yet trace them when it inlines them.
+
+    ``torch.compile(module)`` runs the module's own hooks as frames of their own (``nn.Module.__call__`` is not traced):
+    those stay eager, so a block compiled on its own (torchtitan's per-block compile) keeps its collectives in eager
+    hooks around the graph, and the outermost module of a whole-model compile runs its group eagerly. A sharded module
+    called inside a traced forward has its hooks inlined into that graph: they take the traced path. The skip is
+    per code object (every state's closures share it) and applies only to frames dynamo is handed, not to inlining."""
+    from torch._dynamo.eval_frame import skip_code
+
+    for hook in hooks:
+        skip_code(hook.__code__)
 
 
 class TrainingState(Enum):
@@ -218,10 +233,24 @@ class FSDPState:
         The root's post-forward closes a pass some member never joined; the end of backward, one opened outside the
         root's forward."""
         if len(self.modules) == 1:
-            pre_hook = _not_traced(lambda module, args, kwargs: self.pre_forward(args, kwargs))
-            post_hook = _not_traced(lambda module, args, output: self.post_forward(output))
+            eager_pre = _not_traced(lambda module, args, kwargs: self.pre_forward(args, kwargs))
+            eager_post = _not_traced(lambda module, args, output: self.post_forward(output))
         else:
-            pre_hook, post_hook = self._member_pre_forward, self._member_post_forward
+            eager_pre, eager_post = self._member_pre_forward, self._member_post_forward
+
+        # Note [two ways to run one schedule]: while dynamo traces, the hooks take the traced path (traced.py), which
+        # puts the collectives in the graph; the eager path is kept out of graphs (``_not_traced``)
+        def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return self.traced_pre_forward(args, kwargs)
+            return eager_pre(module, args, kwargs)
+
+        def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return self.traced_post_forward(output)
+            return eager_post(module, args, output)
+
+        _eager_as_top_frame(pre_hook, post_hook)
         for module in self.modules:
             module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_hook, prepend=False)
@@ -307,6 +336,27 @@ class FSDPState:
         check_enclosing_model(self)
         ctx.foreign_ignored = check_ignored(self, list(names))  # warned about at the second forward, if still loose
         return ctx
+
+    # -- forward, traced (traced.py) ------------------------------------------------------
+
+    def traced_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """While dynamo traces: gather the group in the graph and point its modules at the full parameters."""
+        traced.check_traceable(self)
+        mp = self.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = traced.cast_floating(mp.param_dtype, (args, kwargs))
+        if self.group is not None:
+            # None: the root's default, False; an int is traced as True (see traced.check_traceable)
+            reshard = bool(self.reshard_after_forward) and torch.is_grad_enabled()
+            traced.register(traced.gathered_params(self.group, reshard))
+        return args, kwargs
+
+    def traced_post_forward(self, output: Any) -> Any:
+        """While dynamo traces: point the modules back at the sharded parameters."""
+        if self.group is not None:
+            traced.register(traced.sharded(self.group))
+        dtype = self.mp_policy.output_dtype
+        return output if dtype is None else traced.cast_floating(dtype, output)
 
     # -- forward -----------------------------------------------------------------------
 

@@ -1,0 +1,179 @@
+"""torch.compile of the whole model (``torch.compile(model, fullgraph=True)``): the traced path (fully_shard/traced.py).
+
+Every case shards ``tests.models.Transformer`` (dim 32, 2 blocks, vocab 67: padded dim-0 chunks) block by block then at
+the root, trains it ``STEPS`` AdamW steps eagerly and compiled whole with ``backend="aot_eager"``, and compares losses
+and parameters (``full_tensor()``): bitwise, since the traced path computes the same values with the same ATen
+kernels (the all-gather is exact; the reduce-scatter sums the same gradients in the same dtype with the same op and
+divide factors, on the same flat layout). It also checks one dynamo graph for the model, no graph break, and the
+collectives in the AOT graphs: each block's all-gather in forward and, where ``reshard_after_forward`` frees the
+parameters, again in backward, and its reduce-scatter in backward. The root's own group runs from its eager hooks
+(``torch.compile(model)`` calls the model's hooks outside the graph; docs/compile.md).
+
+The grid: default settings, ``reshard_after_forward`` False and an int, mixed precision (bf16 parameters, fp32
+reduction), activation checkpointing (torchtitan's ``checkpoint_wrapper`` around each block), weights tied within the
+root's group, ignored parameters, and HSDP (4 ranks as 2 replicas of 2 shards). Gradient accumulation with
+``set_requires_gradient_sync(False)`` raises ``TracedUnsupportedError`` naming the module.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.harness import device_type, run_distributed
+from tests.models import ModelArgs, Transformer, batch, loss_fn
+
+ARGS = ModelArgs(vocab_size=67, dim=32, n_layers=2, ffn_dim=64)
+STEPS = 5
+_PREFIX = "_checkpoint_wrapped_module."
+
+
+def build(setting: str, world: int) -> nn.Module:
+    """The model sharded for ``setting``: each block, then the root."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fully_shard import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    if setting == "ac":
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    if setting == "tied":
+        model.output.weight = model.tok_embeddings.weight
+    shape = (2, world // 2) if setting == "hsdp" else (world,)
+    mesh = init_device_mesh(device_type(), shape)
+    kwargs: dict[str, Any] = {}
+    if setting == "reshard-false":
+        kwargs["reshard_after_forward"] = False
+    if setting == "reshard-int":
+        kwargs["reshard_after_forward"] = 2
+    if setting == "mp":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        ignored = {block.attention.wq.weight} if setting == "ignored" else None  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh, ignored_params=ignored, **kwargs)
+    fully_shard(model, mesh=mesh, **{k: v for k, v in kwargs.items() if k == "mp_policy"})
+    return model
+
+
+def _collectives(gm: torch.fx.GraphModule) -> Counter[str]:
+    return Counter(str(n.target).split(".")[1] for n in gm.graph.nodes
+                   if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
+                   and "wait_tensor" not in str(n.target))
+
+
+def train(setting: str, compiled: bool) -> dict[str, Any]:
+    """``STEPS`` steps; losses, full parameters, graph and collective counts."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs: dict[str, list[Counter[str]]] = {"forward": [], "backward": []}
+
+    def record(kind: str) -> Any:
+        def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            graphs[kind].append(_collectives(gm))
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
+    model = build(setting, dist.get_world_size())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+    losses = []
+    try:
+        for step in range(STEPS):
+            x = batch(step, dist.get_rank(), ARGS)
+            loss = loss_fn(run(x), x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        torch._dynamo.reset()
+    params = {n.replace(_PREFIX, ""): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+              for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()), "collectives": graphs}
+
+
+def grid_body(settings: list[str]) -> dict[str, Any]:
+    return {s: (train(s, False), train(s, True)) for s in settings}
+
+
+def _check(setting: str, eager: dict[str, Any], compiled: dict[str, Any], replicas: int = 1) -> None:
+    assert eager["losses"][0] != eager["losses"][-1]
+    # one dynamo graph for the whole model; fullgraph=True would have raised on a break
+    assert compiled["graphs"] == 1 and compiled["breaks"] == 0, (setting, compiled["graphs"], compiled["breaks"])
+    # bitwise on any CPU: the same values through the same ATen kernels and the same collectives (module docstring)
+    assert compiled["losses"] == eager["losses"], (setting, compiled["losses"], eager["losses"])
+    assert list(compiled["params"]) == list(eager["params"])
+    for name, p in compiled["params"].items():
+        torch.testing.assert_close(p, eager["params"][name], rtol=0, atol=0, msg=lambda m: f"{setting}, {name}: {m}")
+    # the two blocks' collectives in the one forward and one backward graph (the root's run eagerly)
+    (forward,), (backward,) = compiled["collectives"]["forward"], compiled["collectives"]["backward"]
+    blocks = 2
+    assert forward == Counter(all_gather_into_tensor=blocks), (setting, forward)
+    regather = 0 if setting == "reshard-false" else blocks  # reshard_after_forward: recomputed in backward
+    expected = Counter(reduce_scatter_tensor=blocks, all_gather_into_tensor=regather,
+                       all_reduce=blocks * (replicas > 1))
+    assert backward == +expected, (setting, backward)
+
+
+SETTINGS_2 = ["reshard-false", "mp", "tied", "ignored"]
+
+
+@pytest.mark.long
+def test_whole_compile_bitwise_default() -> None:
+    for eager, compiled in (r["default"] for r in run_distributed(grid_body, 2, ["default"], timeout=600)):
+        _check("default", eager, compiled)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("setting", SETTINGS_2)
+def test_whole_compile_bitwise_2_ranks(setting: str) -> None:
+    for eager, compiled in (r[setting] for r in run_distributed(grid_body, 2, [setting], timeout=600)):
+        _check(setting, eager, compiled)
+
+
+@pytest.mark.long
+def test_whole_compile_bitwise_4_ranks() -> None:
+    """HSDP (2 replicas x 2 shards: the all-reduce across replicas in the backward graph) and an int
+    reshard_after_forward (traced as True: the all-gather over all shard ranks is recomputed in backward)."""
+    results = run_distributed(grid_body, 4, ["hsdp", "reshard-int"], timeout=600)
+    for r in results:
+        _check("hsdp", *r["hsdp"], replicas=2)
+        _check("reshard-int", *r["reshard-int"])
+
+
+def _accumulate_body() -> str:
+    import torch._dynamo
+
+    model = build("default", dist.get_world_size())
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    x = batch(0, dist.get_rank(), ARGS)
+    try:
+        loss_fn(run(x), x).backward()
+    except Exception as e:  # dynamo may wrap it: the message is what the user reads
+        return f"{type(e).__name__}: {e}"
+    finally:
+        torch._dynamo.reset()
+    return "no error"
+
+
+def test_gradient_accumulation_refused() -> None:
+    for text in run_distributed(_accumulate_body, 2):
+        assert "module 'layers.0' (Block) has gradient sync off" in text, text
+        assert "compile block by block" in text, text
