@@ -88,6 +88,7 @@ __all__ = [
     "device_type",
     "gloo_skip_reason",
     "mesh",
+    "pool_starts",
     "refuse_gloo_functional_all_gather",
     "run_distributed",
     "shutdown_pools",
@@ -97,8 +98,9 @@ __all__ = [
 
 # Seconds given to the other ranks to report after the first rank failed.
 _ERROR_GRACE_S = 2.0
-# Seconds allowed for a pool to start (spawn + import torch + init_process_group).
-_STARTUP_TIMEOUT_S = 120.0
+# Seconds allowed for a pool to start (spawn + import torch + init_process_group): 4 ranks took over 120 s on 2
+# cores under a load average of 110 (the suite of other checkouts running beside this one).
+_STARTUP_TIMEOUT_S = 300.0
 # Collective / store timeout inside the workers.
 _PG_TIMEOUT = timedelta(seconds=60)
 # Attempts to start a pool (a start-up that failed on a busy port is retried).
@@ -608,6 +610,7 @@ class _Pool:
 _POOLS: dict[int, _Pool] = {}
 # world size -> (the most threads a worker held during a call, that call, rank); and the calls that went over the limit
 _THREAD_PEAKS: dict[int, tuple[int, str, int]] = {}
+_POOL_STARTS: dict[int, int] = {}
 
 
 def _see_threads(world_size: int, rank: int, peak: int, after: int, what: str) -> str | None:
@@ -635,7 +638,13 @@ def _get_pool(world_size: int) -> _Pool:
         pool = _Pool(world_size)
         pool.start()
         _POOLS[world_size] = pool
+        _POOL_STARTS[world_size] = _POOL_STARTS.get(world_size, 0) + 1
     return pool
+
+
+def pool_starts() -> dict[int, int]:
+    """World size -> how many pools of that size this process started (a failed call discards its pool)."""
+    return dict(_POOL_STARTS)
 
 
 def _discard_pool(world_size: int) -> None:
