@@ -30,7 +30,9 @@ Design:
   threads until its last reference goes, and a worker that served a few hundred tests
   used to hold 862 of them. A worker counts its threads while it serves a call and after
   the clean-up; a call whose worker went over :data:`THREAD_LIMIT` fails, naming the count
-  (:func:`thread_peaks` has the highest counts seen, per world size).
+  (:func:`thread_peaks` has the highest counts seen, per world size). A pool whose worker
+  still holds more than half the limit after the clean-up (groups some cache of torch's
+  keeps) is replaced before the next call, so nothing adds up over calls.
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
 * The device switch: ``FULLY_SHARD_TEST_DEVICE=cuda`` (any accelerator type torch knows)
@@ -611,6 +613,11 @@ _POOLS: dict[int, _Pool] = {}
 # world size -> (the most threads a worker held during a call, that call, rank); and the calls that went over the limit
 _THREAD_PEAKS: dict[int, tuple[int, str, int]] = {}
 _POOL_STARTS: dict[int, int] = {}
+# A worker still holding more threads than this after a call's clean-up (groups that something outside the call's own
+# objects keeps: a cache of torch's the clean-up does not know) is replaced before the next call, so that what leaks
+# cannot add up over calls; the world sizes to replace.
+_RECYCLE_AT = THREAD_LIMIT // 2
+_RECYCLE: set[int] = set()
 
 
 def _see_threads(world_size: int, rank: int, peak: int, after: int, what: str) -> str | None:
@@ -618,6 +625,8 @@ def _see_threads(world_size: int, rank: int, peak: int, after: int, what: str) -
     if peak > _THREAD_PEAKS.get(world_size, (0, "", 0))[0]:
         _THREAD_PEAKS[world_size] = (peak, what, rank)
     if max(peak, after) <= THREAD_LIMIT:
+        if after > _RECYCLE_AT:
+            _RECYCLE.add(world_size)
         return None
     return (
         f"the worker held {peak} threads during the call and {after} after destroying its process groups: over "
@@ -755,6 +764,9 @@ def run_distributed(
             _discard_pool(world_size)
 
     if ok:
+        if world_size in _RECYCLE:
+            _RECYCLE.discard(world_size)
+            _discard_pool(world_size)
         return [results[r] for r in range(world_size)]
 
     unfinished = sorted(pending.values())
