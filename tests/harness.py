@@ -25,6 +25,14 @@ Design:
   ``torch.manual_seed(0)`` and resets ``torch.distributed`` state left by a
   previous test (a destroyed default group
   is re-created, DeviceMesh context stack is cleared).
+* After every call the worker destroys every process group the call made (subgroups,
+  DeviceMesh dimension groups, fully_shard's k-rank groups): each gloo group holds three
+  threads until its last reference goes, and a worker that served a few hundred tests
+  used to hold 862 of them. A worker counts its threads while it serves a call and after
+  the clean-up; a call whose worker went over :data:`THREAD_LIMIT` fails, naming the count
+  (:func:`thread_peaks` has the highest counts seen, per world size). A pool whose worker
+  still holds more than half the limit after the clean-up (groups some cache of torch's
+  keeps) is replaced before the next call, so nothing adds up over calls.
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
 * The device switch: ``FULLY_SHARD_TEST_DEVICE=cuda`` (any accelerator type torch knows)
@@ -54,12 +62,14 @@ imported inside the workers after thread-count environment variables are set.
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -73,26 +83,34 @@ __all__ = [
     "DEVICE_ENV",
     "DistributedTestFailure",
     "GLOO_ALL_GATHER_REFUSED",
+    "THREAD_LIMIT",
     "backend_for",
     "concurrently",
     "device",
     "device_type",
     "gloo_skip_reason",
     "mesh",
+    "pool_starts",
     "refuse_gloo_functional_all_gather",
     "run_distributed",
     "shutdown_pools",
     "skip_on_accelerator",
+    "thread_peaks",
 ]
 
 # Seconds given to the other ranks to report after the first rank failed.
 _ERROR_GRACE_S = 2.0
-# Seconds allowed for a pool to start (spawn + import torch + init_process_group).
-_STARTUP_TIMEOUT_S = 120.0
+# Seconds allowed for a pool to start (spawn + import torch + init_process_group): 4 ranks took over 120 s on 2
+# cores under a load average of 110 (the suite of other checkouts running beside this one).
+_STARTUP_TIMEOUT_S = 300.0
 # Collective / store timeout inside the workers.
 _PG_TIMEOUT = timedelta(seconds=60)
 # Attempts to start a pool (a start-up that failed on a busy port is retried).
 _STARTUP_ATTEMPTS = 3
+# The most threads a worker may hold at any point of a call (its default group, torch's pools, a call's own groups).
+THREAD_LIMIT = 64
+# Seconds between two counts of a worker's threads while it serves a call.
+_THREAD_WATCH_PERIOD_S = 0.02
 
 
 # --------------------------------------------------------------------------
@@ -262,8 +280,6 @@ def _reset_distributed_state(store: Any, state: dict[str, int], rank: int, world
         state["generation"] += 1
         _init_default_group(store, state["generation"], rank, world_size)
         return
-    # Sub-groups from earlier tests stay alive: torch's DeviceMesh caches the groups it
-    # creates per layout, so destroying them would leave that cache pointing at dead groups.
     c10d._world.pg_coalesce_state.clear()
     try:
         from torch.distributed.device_mesh import _mesh_resources
@@ -271,6 +287,76 @@ def _reset_distributed_state(store: Any, state: dict[str, int], rank: int, world
         _mesh_resources.mesh_stack.clear()
     except Exception:  # pragma: no cover - private API moved
         pass
+
+
+def _thread_count() -> int:
+    """This process's threads, the native ones too (gloo's): Linux lists them under /proc."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # pragma: no cover - not Linux: the Python threads alone
+        return threading.active_count()
+
+
+class _ThreadWatch:
+    """Counts the worker's threads every few milliseconds while a call runs; ``take`` gives the most it saw."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.serving = threading.Event()
+        threading.Thread(target=self._watch, name="harness-thread-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            self.serving.wait()
+            self.peak = max(self.peak, _thread_count())
+            time.sleep(_THREAD_WATCH_PERIOD_S)
+
+    def start(self) -> None:
+        self.peak = _thread_count()
+        self.serving.set()
+
+    def take(self) -> int:
+        self.serving.clear()
+        return max(self.peak, _thread_count())
+
+
+def _release_groups() -> None:
+    """Destroy every process group but the default one (what the call made: subgroups, a DeviceMesh's dimension
+    groups, fully_shard's k-rank groups) and drop the caches that hold them; a gloo group's threads end with its last
+    reference, so whatever else still holds one (a model of the call in a reference cycle) is collected."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    default = c10d._get_default_group()
+    made = [pg for pg in c10d._world.pg_names if pg is not default]
+    mesh_module = sys.modules.get("fully_shard.mesh")
+    if mesh_module is not None:
+        mesh_module._k_rank_groups.clear()  # reshard_after_forward=k's groups, made once per world
+    if not made:
+        return
+    for pg in made:
+        dist.destroy_process_group(pg)
+    del made, pg
+    _clear_dtensor_caches()
+    gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor's caches (sharding propagation: Python and C++; redistribute plans) keep every mesh they saw, and a
+    mesh keeps its groups: without this, a destroyed group's threads live on, and an equal mesh of a later call would
+    get output specs that name the old mesh's destroyed groups."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _redistribute, _sharding_prop
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    for cached in vars(_redistribute).values():
+        if callable(getattr(cached, "cache_clear", None)):
+            cached.cache_clear()
 
 
 def _flush_std_streams() -> None:
@@ -354,6 +440,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         conn.send((_MSG_ERR, "worker start-up failed:\n" + traceback.format_exc()))
         _flush_std_streams()
         os._exit(1)  # as below: no finalization while a half-made process group may hold threads
+    watch = _ThreadWatch()
     conn.send((_MSG_READY, os.getpid()))
 
     while True:
@@ -363,16 +450,19 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
             break  # parent went away
         if msg[0] == _MSG_STOP:
             break
+        watch.start()
         try:
             _reset_distributed_state(store, state, rank, world_size)
             torch.manual_seed(0)
             fn, args, kwargs = pickle.loads(msg[1])
             result = fn(*args, **kwargs)
             payload = _dumps_result(result)
+            del fn, args, kwargs, result
+            _release_groups()
         except BaseException:
             reply: tuple[str, Any] = (_MSG_ERR, traceback.format_exc())
         else:
-            reply = (_MSG_OK, payload)
+            reply = (_MSG_OK, (payload, watch.take(), _thread_count()))
         _flush_std_streams()
         try:
             conn.send(reply)
@@ -520,6 +610,35 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+# world size -> (the most threads a worker held during a call, that call, rank); and the calls that went over the limit
+_THREAD_PEAKS: dict[int, tuple[int, str, int]] = {}
+_POOL_STARTS: dict[int, int] = {}
+# A worker still holding more threads than this after a call's clean-up (groups that something outside the call's own
+# objects keeps: a cache of torch's the clean-up does not know) is replaced before the next call, so that what leaks
+# cannot add up over calls; the world sizes to replace.
+_RECYCLE_AT = THREAD_LIMIT // 2
+_RECYCLE: set[int] = set()
+
+
+def _see_threads(world_size: int, rank: int, peak: int, after: int, what: str) -> str | None:
+    """Note a worker's thread counts (during a call, after its clean-up); the error if it went over the limit."""
+    if peak > _THREAD_PEAKS.get(world_size, (0, "", 0))[0]:
+        _THREAD_PEAKS[world_size] = (peak, what, rank)
+    if max(peak, after) <= THREAD_LIMIT:
+        if after > _RECYCLE_AT:
+            _RECYCLE.add(world_size)
+        return None
+    return (
+        f"the worker held {peak} threads during the call and {after} after destroying its process groups: over "
+        f"tests.harness.THREAD_LIMIT={THREAD_LIMIT}. A gloo process group holds 3 threads until its last reference "
+        "goes (a DeviceMesh makes a group per dimension): make fewer groups in one call, and hold none across calls"
+    )
+
+
+def thread_peaks() -> dict[int, tuple[int, str, int]]:
+    """World size -> ``(threads, call, rank)``: the most threads a worker of that world size held during a call,
+    in this process's calls so far."""
+    return dict(_THREAD_PEAKS)
 
 
 def _get_pool(world_size: int) -> _Pool:
@@ -528,7 +647,13 @@ def _get_pool(world_size: int) -> _Pool:
         pool = _Pool(world_size)
         pool.start()
         _POOLS[world_size] = pool
+        _POOL_STARTS[world_size] = _POOL_STARTS.get(world_size, 0) + 1
     return pool
+
+
+def pool_starts() -> dict[int, int]:
+    """World size -> how many pools of that size this process started (a failed call discards its pool)."""
+    return dict(_POOL_STARTS)
 
 
 def _discard_pool(world_size: int) -> None:
@@ -619,11 +744,15 @@ def run_distributed(
                 except (EOFError, OSError):
                     kind, value = _MSG_ERR, f"worker process died ({pool._exit_desc(rank)})"
                 if kind == _MSG_OK:
+                    value, peak, after = value
+                    too_many = _see_threads(world_size, rank, peak, after, what)
                     try:
                         results[rank] = pickle.loads(value)
                     except Exception:
                         kind, value = (_MSG_ERR,
                                        "result could not be unpickled in the parent:\n" + traceback.format_exc())
+                    if too_many is not None:  # a leak: the pool is discarded below, the next call gets a fresh one
+                        kind, value = _MSG_ERR, too_many
                 if kind == _MSG_ERR:
                     if not failures:
                         first_failure_at = time.monotonic()
@@ -635,6 +764,9 @@ def run_distributed(
             _discard_pool(world_size)
 
     if ok:
+        if world_size in _RECYCLE:
+            _RECYCLE.discard(world_size)
+            _discard_pool(world_size)
         return [results[r] for r in range(world_size)]
 
     unfinished = sorted(pending.values())

@@ -13,11 +13,19 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
-from tests.harness import concurrently
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
+# Jobs running at once (a job: the launcher and 2 ranks). Most of a job is process start-up and waiting, which the
+# others fill; more at once would only queue for the same 2 cores.
+_AT_ONCE = 3
+# Seconds a job may take: a few at once share the cores, and the suite's other processes too.
+_JOB_TIMEOUT = 300
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -43,13 +51,64 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def test_train_example_runs_and_learns(tmp_path: object) -> None:
-    result = _run(
-        ["--nproc", "2", "--steps", "6", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
-         "--warmup", "2", "--grad-accum", "2", "--no-plot", "--metrics", os.path.join(str(tmp_path), "m.jsonl"),
-         "--profile", os.path.join(str(tmp_path), "prof")],
-        timeout=150,
-    )
+_SMALL = ["--nproc", "2", "--steps", "6", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4"]
+_IN_BACKWARD = ["--nproc", "2", "--steps", "3", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size",
+                "4", "--warmup", "1", "--grad-accum", "2", "--max-norm", "0", "--tokenizer", "bytes", "--exact-loss",
+                "--log-every", "1", "--eval-every", "0", "--no-plot", "--no-progress"]
+
+
+def _jobs(out: str) -> dict[str, Callable[[], Any]]:
+    """The examples/train.py jobs of this module's tests, by name; their files go under ``out``."""
+    def at(name: str) -> str:
+        return os.path.join(out, name)
+
+    return {
+        "learns": lambda: _run([*_SMALL, "--warmup", "2", "--grad-accum", "2", "--no-plot", "--metrics",
+                                at("m.jsonl"), "--profile", at("prof")], timeout=_JOB_TIMEOUT),
+        "muon": lambda: _learns("--optimizer", "muon"),
+        "quant": lambda: _learns("--comm-quant", "int4", "--comm-quant-block", "64"),
+        "usual": lambda: _run([*_IN_BACKWARD, "--metrics", at("usual.jsonl")], timeout=_JOB_TIMEOUT),
+        "in_backward": lambda: _run([*_IN_BACKWARD, "--metrics", at("in_backward.jsonl"), "--optimizer-in-backward"],
+                                    timeout=_JOB_TIMEOUT),
+        "main_job": lambda: _run(["--config", os.path.join(ROOT, "examples", "llama_small.toml"), "--steps", "2",
+                                  "--metrics", at("main.jsonl"), "--no-plot", "--no-progress"], timeout=_JOB_TIMEOUT),
+        "terminal": lambda: _in_a_terminal(at("loss.png"), at("terminal.jsonl")),
+    }
+
+
+# the jobs each test reads
+_NEEDS = {
+    "test_train_example_runs_and_learns": ["learns"],
+    "test_train_example_with_muon_learns": ["muon"],
+    "test_train_example_with_quantized_collectives_learns": ["quant"],
+    "test_optimizer_in_backward_trains_to_the_same_losses": ["usual", "in_backward"],
+    "test_checked_in_config_runs_the_main_job": ["main_job"],
+    "test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot": ["terminal"],
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Every job the selected tests of this module read, started at once (``_AT_ONCE`` at a time) when the first of
+    them asks: name -> its ``Future``, and ``"out"`` -> the folder of their files. Each test then checks its own."""
+    out = str(tmp_path_factory.mktemp("jobs"))
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    wanted = [name for test, names in _NEEDS.items() if test in selected for name in names]
+    made = _jobs(out)
+    with ThreadPoolExecutor(_AT_ONCE) as pool:
+        futures: dict[str, Any] = {name: pool.submit(made[name]) for name in wanted}
+        yield {**futures, "out": out}
+        for future in futures.values():
+            future.cancel()  # the tests of the jobs not yet started failed or were interrupted
+
+
+def _result(jobs: dict[str, Any], name: str) -> Any:
+    future: Future[Any] = jobs[name]
+    return future.result()
+
+
+def test_train_example_runs_and_learns(jobs: dict[str, Any]) -> None:
+    result, tmp_path = _result(jobs, "learns"), jobs["out"]
     log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, log
     assert "fully_shard on 2 ranks" in result.stdout, log
@@ -75,11 +134,7 @@ def test_train_example_runs_and_learns(tmp_path: object) -> None:
 
 def _learns(*flags: str) -> str:
     """A 6-step run of a small job with ``flags``: it exits 0 and its loss goes down; its stdout (and log)."""
-    result = _run(
-        ["--nproc", "2", "--steps", "6", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
-         *flags, "--no-plot", "--no-progress"],
-        timeout=150,
-    )
+    result = _run([*_SMALL, *flags, "--no-plot", "--no-progress"], timeout=_JOB_TIMEOUT)
     log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, log
     losses = [float(m) for m in re.findall(r"^step\s+\d+/6 \| loss (\d+\.\d+)", result.stdout, re.M)]
@@ -87,13 +142,13 @@ def _learns(*flags: str) -> str:
     return log
 
 
-def test_train_example_with_muon_learns() -> None:
-    log = _learns("--optimizer", "muon")
+def test_train_example_with_muon_learns(jobs: dict[str, Any]) -> None:
+    log = _result(jobs, "muon")
     assert "MuonAdamW" in log, log
 
 
-def test_train_example_with_quantized_collectives_learns() -> None:
-    log = _learns("--comm-quant", "int4", "--comm-quant-block", "64")
+def test_train_example_with_quantized_collectives_learns(jobs: dict[str, Any]) -> None:
+    log = _result(jobs, "quant")
     assert ("quantized collectives: (root): weights int8, grads int4 (exact: tok_embeddings.weight, norm.weight)"
             in log), log
 
@@ -108,18 +163,12 @@ def test_train_example_rejects_bad_flags() -> None:
             and "pass --max-norm 0 (clipping needs the norm of every gradient)" in result.stderr), result
 
 
-def test_optimizer_in_backward_trains_to_the_same_losses(tmp_path: object) -> None:
+def test_optimizer_in_backward_trains_to_the_same_losses(jobs: dict[str, Any]) -> None:
     """--optimizer-in-backward (an AdamW per parameter, stepped from its post-accumulate-grad hook) against the usual
     step, with gradient accumulation: the same losses to the last digit (AdamW is elementwise: the same arithmetic on
     every element), and less held per rank (no step keeps every gradient)."""
-    flags = ["--nproc", "2", "--steps", "3", "--n-layers", "2", "--dim", "64", "--seq-len", "32", "--batch-size", "4",
-             "--warmup", "1", "--grad-accum", "2", "--max-norm", "0", "--tokenizer", "bytes", "--exact-loss",
-             "--log-every",
-             "1", "--eval-every", "0", "--no-plot", "--no-progress"]
     runs = []
-    usual, in_backward = ([*flags, "--metrics", os.path.join(str(tmp_path), f"{name}.jsonl"), *extra]
-                          for name, extra in (("usual", []), ("in_backward", ["--optimizer-in-backward"])))
-    for result in concurrently(lambda: _run(usual, timeout=150), lambda: _run(in_backward, timeout=150)):
+    for result in (_result(jobs, "usual"), _result(jobs, "in_backward")):
         log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
         assert result.returncode == 0, log
         losses = re.findall(r"^step\s+\d+/3 \| loss (\S+) ", result.stdout, re.M)
@@ -223,15 +272,14 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     assert decay == sorted(decay, reverse=True) and abs(f(20) - 0.1) < 1e-12 and f(100) == f(20)
 
 
-def test_checked_in_config_runs_the_main_job(tmp_path: object) -> None:
+def test_checked_in_config_runs_the_main_job(jobs: dict[str, Any]) -> None:
     """examples/train.py --config examples/llama_small.toml, cut to 2 steps by flags (flags win)
-    and with its outputs in tmp_path: the config's ranks, model, tokenizer and schedule are used."""
+    and with its outputs in a temporary folder: the config's ranks, model, tokenizer and schedule are used."""
     _examples()
     from common import lr_lambda
 
-    metrics = os.path.join(str(tmp_path), "m.jsonl")
-    config = os.path.join(ROOT, "examples", "llama_small.toml")
-    result = _run(["--config", config, "--steps", "2", "--metrics", metrics, "--no-plot", "--no-progress"], timeout=240)
+    metrics = os.path.join(jobs["out"], "main.jsonl")
+    result = _result(jobs, "main_job")
     log = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, log
     # [job] nproc = 2; [model] n_layers = 4, dim = 128, tokenizer = "bpe", vocab_size = 1024
@@ -246,9 +294,19 @@ def test_checked_in_config_runs_the_main_job(tmp_path: object) -> None:
     assert "eval_loss" in rows[-1] and "eval_loss" not in rows[0], rows  # eval_every = 40: only the last step
 
 
-def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(tmp_path: object) -> None:
+def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(jobs: dict[str, Any]) -> None:
     """The first command as a user sees it: under a pseudo-terminal, rank 0 draws a tqdm bar with
     loss and tokens/s, the run ends naming the loss plot it wrote, and torch prints no NumPy warning."""
+    plot, output = _result(jobs, "terminal")
+    # the bar's last state (written on close), e.g. "train: 100%|████| 3/3 [00:02<00:00, 1.2step/s, loss 5.4321, 1,234
+    # tokens/s]"
+    assert re.search(r"train: 100%\|[^\r\n]*\| 3/3 \[[^\]\r\n]*, loss \d+\.\d{4}, [\d,]+ tokens/s\]", output), output
+    assert f"loss curve: {plot} (3 steps)" in output and os.path.getsize(plot) > 0, output
+    assert "NumPy" not in output, output  # torch: "Failed to initialize NumPy" when numpy is missing
+
+
+def _in_a_terminal(plot: str, metrics: str) -> tuple[str, str]:
+    """A small job under a pseudo-terminal of 200 columns: the loss plot's path and everything the terminal showed."""
     import fcntl
     import pty
     import select
@@ -256,7 +314,6 @@ def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(tmp_path: ob
     import termios
     import time
 
-    plot = os.path.join(str(tmp_path), "loss.png")
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))  # 200 columns: room for the postfix
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
@@ -264,11 +321,11 @@ def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(tmp_path: ob
         [sys.executable, TRAIN, "--device", "cpu", "--nproc", "2", "--steps", "3", "--n-layers", "1", "--dim", "32",
          "--seq-len", "16",
          "--batch-size", "2", "--tokenizer", "bytes", "--eval-batches", "1", "--plot", plot,
-         "--metrics", os.path.join(str(tmp_path), "m.jsonl")],
+         "--metrics", metrics],
         cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
     )
     os.close(slave)
-    chunks, deadline = [], time.monotonic() + 180
+    chunks, deadline = [], time.monotonic() + _JOB_TIMEOUT
     try:
         while time.monotonic() < deadline:
             ready, _, _ = select.select([master], [], [], 1.0)
@@ -289,9 +346,4 @@ def test_main_job_in_a_terminal_shows_a_tqdm_bar_and_names_its_plot(tmp_path: ob
         assert proc.wait(timeout=30) == 0, b"".join(chunks).decode(errors="replace")
     finally:
         os.close(master)
-    output = b"".join(chunks).decode(errors="replace")
-    # the bar's last state (written on close), e.g. "train: 100%|████| 3/3 [00:02<00:00, 1.2step/s, loss 5.4321, 1,234
-    # tokens/s]"
-    assert re.search(r"train: 100%\|[^\r\n]*\| 3/3 \[[^\]\r\n]*, loss \d+\.\d{4}, [\d,]+ tokens/s\]", output), output
-    assert f"loss curve: {plot} (3 steps)" in output and os.path.getsize(plot) > 0, output
-    assert "NumPy" not in output, output  # torch: "Failed to initialize NumPy" when numpy is missing
+    return plot, b"".join(chunks).decode(errors="replace")

@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from tests.harness import DistributedTestFailure, run_distributed
+from tests.harness import THREAD_LIMIT, DistributedTestFailure, _thread_count, mesh, run_distributed, thread_peaks
 
 # ---------------------------------------------------------------------------
 # Bodies run on the workers (module level so they pickle by reference).
@@ -53,6 +54,32 @@ def _count_groups() -> int:
     t = torch.ones(1)
     dist.all_reduce(t)  # default group still usable
     return len(c10d._world.pg_map)
+
+
+def _make_every_kind_of_group() -> dict[str, int]:
+    """The groups a test makes (a subgroup, a 2-D DeviceMesh's dimension groups, fully_shard's k-rank groups for
+    reshard_after_forward=2), used for a step; this worker's threads when the call began, and after making them."""
+    from fully_shard import fully_shard
+
+    start = _thread_count()
+    world = dist.get_world_size()
+    subgroup = dist.new_group(list(range(world)))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=subgroup)
+    hsdp = mesh((2, world // 2), ("replicate", "shard"))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fully_shard(model[0], mesh=mesh(world), reshard_after_forward=2)  # k-rank groups: [0, 1], [2, 3]
+    fully_shard(model, mesh=hsdp)
+    model(torch.randn(4, 8)).sum().backward()
+    return {"start": start, "made": _thread_count(), "sum": int(t.item())}
+
+
+_HELD: list[object] = []  # a worker's groups kept across calls: the leak the harness refuses
+
+
+def _hold_groups(n: int) -> int:
+    _HELD.extend(dist.new_group(list(range(dist.get_world_size()))) for _ in range(n))
+    return len(_HELD)
 
 
 def _destroy_default_group() -> bool:
@@ -110,15 +137,42 @@ def test_pool_is_reused_and_seed_is_reset_per_call() -> None:
 
 
 def test_distributed_state_is_reset_between_calls() -> None:
-    before = run_distributed(_count_groups, 2)
+    assert run_distributed(_count_groups, 2) == [1, 1]  # the default group alone
     assert run_distributed(_leave_subgroup_behind, 2) == [2, 2]
-    # sub-groups persist across calls (torch's DeviceMesh caches the groups it creates)
-    assert run_distributed(_count_groups, 2) == [n + 1 for n in before]
+    # the call's sub-group was destroyed when it returned
+    assert run_distributed(_count_groups, 2) == [1, 1]
     pids = run_distributed(_pid, 2)
     assert run_distributed(_destroy_default_group, 2) == [False, False]
     # the default group is re-created, usable, in the same workers
     assert run_distributed(_count_groups, 2)[0] >= 1
     assert run_distributed(_pid, 2) == pids
+
+
+def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limit() -> None:
+    """Twelve calls that each make a subgroup, a 2-D mesh and k-rank groups (a gloo group: 3 threads): every call
+    starts with as many threads as the first (the previous harness kept them all: 9 more threads a call, 64 passed by
+    the 7th), and the highest count the workers saw stays within THREAD_LIMIT."""
+    runs = [run_distributed(_make_every_kind_of_group, 4) for _ in range(12)]
+    for rank in range(4):
+        starts = [run[rank]["start"] for run in runs]
+        assert starts == [starts[0]] * 12, (rank, starts)
+        assert all(run[rank]["made"] > starts[0] for run in runs), rank  # the groups did hold threads while alive
+        assert all(run[rank]["sum"] == 4 for run in runs)
+    made = max(run[rank]["made"] for run in runs for rank in range(4))
+    assert made <= thread_peaks()[4][0] and made <= THREAD_LIMIT  # the harness saw at least what the bodies counted
+
+
+def test_a_worker_over_the_thread_limit_fails_its_call_then_pool_recovers() -> None:
+    before = run_distributed(_pid, 2)
+    assert run_distributed(_hold_groups, 2, 2) == [2, 2]  # kept across calls, yet under the limit
+    with pytest.raises(DistributedTestFailure) as info:
+        run_distributed(_hold_groups, 2, THREAD_LIMIT // 3)
+    message = str(info.value)
+    assert f"THREAD_LIMIT={THREAD_LIMIT}" in message and "after destroying its process groups" in message, message
+    assert info.value.failures.keys() == {0, 1}
+    after = run_distributed(_pid, 2)  # a fresh pool: the leaking workers are gone
+    assert set(after).isdisjoint(before)
+    assert run_distributed(_count_groups, 2) == [1, 1]
 
 
 def test_rank_exception_fails_with_rank_and_traceback_then_pool_recovers() -> None:
