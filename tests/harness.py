@@ -109,6 +109,8 @@ _PG_TIMEOUT = timedelta(seconds=60)
 _STARTUP_ATTEMPTS = 3
 # The most threads a worker may hold at any point of a call (its default group, torch's pools, a call's own groups).
 THREAD_LIMIT = 64
+# Seconds a rank whose call returned waits for the other ranks' calls before it destroys the call's groups.
+_RETURNED_WAIT_S = 60.0
 # Seconds between two counts of a worker's threads while it serves a call.
 _THREAD_WATCH_PERIOD_S = 0.02
 
@@ -320,6 +322,24 @@ class _ThreadWatch:
         return max(self.peak, _thread_count())
 
 
+def _every_rank_returned(store: Any, state: dict[str, int], world_size: int) -> bool:
+    """Say that this rank's call returned, and wait until every rank's has. A group the call made may still carry
+    another rank's collective (a test where one rank returns and the other waits for the group's timeout):
+    destroying it on one rank first would close the connection under the other. False if the other ranks have not
+    returned within the wait: the groups are then left, and the pool is replaced once its threads show it."""
+    from datetime import timedelta
+
+    state["calls"] = state.get("calls", 0) + 1
+    key = f"harness_returned/{state['calls']}"
+    if store.add(key, 1) == world_size:
+        store.set(key + "/all", "1")
+    try:
+        store.wait([key + "/all"], timedelta(seconds=_RETURNED_WAIT_S))
+    except Exception:  # noqa: BLE001 - a rank still in the call (a hang is the parent's to report)
+        return False
+    return True
+
+
 def _release_groups() -> None:
     """Destroy every process group but the default one (what the call made: subgroups, a DeviceMesh's dimension
     groups, fully_shard's k-rank groups) and drop the caches that hold them; a gloo group's threads end with its last
@@ -441,6 +461,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         _flush_std_streams()
         os._exit(1)  # as below: no finalization while a half-made process group may hold threads
     watch = _ThreadWatch()
+    left = _thread_count()  # the threads a worker holds between calls (after the previous call's clean-up)
     conn.send((_MSG_READY, os.getpid()))
 
     while True:
@@ -458,16 +479,23 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
             result = fn(*args, **kwargs)
             payload = _dumps_result(result)
             del fn, args, kwargs, result
-            _release_groups()
         except BaseException:
             reply: tuple[str, Any] = (_MSG_ERR, traceback.format_exc())
         else:
-            reply = (_MSG_OK, (payload, watch.take(), _thread_count()))
+            reply = (_MSG_OK, (payload, watch.take(), left))
         _flush_std_streams()
         try:
             conn.send(reply)
         except (EOFError, OSError):
             break
+        # After the reply (a rank still in the call is the parent's to report, not this rank's to wait for): once
+        # every rank has returned, destroy the call's groups. The threads left after that go with the next reply.
+        if reply[0] == _MSG_OK and _every_rank_returned(store, state, world_size):
+            try:
+                _release_groups()
+            except BaseException:  # noqa: BLE001 - reported with the next call
+                pass
+        left = _thread_count()
 
     try:
         if dist.is_initialized():
@@ -629,7 +657,8 @@ def _see_threads(world_size: int, rank: int, peak: int, after: int, what: str) -
             _RECYCLE.add(world_size)
         return None
     return (
-        f"the worker held {peak} threads during the call and {after} after destroying its process groups: over "
+        f"the worker held {peak} threads during the call and {after} before it (the previous call's groups "
+        "destroyed): over "
         f"tests.harness.THREAD_LIMIT={THREAD_LIMIT}. A gloo process group holds 3 threads until its last reference "
         "goes (a DeviceMesh makes a group per dimension): make fewer groups in one call, and hold none across calls"
     )

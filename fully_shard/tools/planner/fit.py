@@ -568,10 +568,11 @@ def fit(
         bound = min(search.lower_bound(s) for s in space)
         least = min(search.cache.values(), key=lambda e: e.peak_bytes, default=None) or search.estimate(
             min(space, key=search.lower_bound))
+        floor = (f" (every setting holds at least {fmt_bytes(bound)} at the end of its forward)"
+                 if bound > budget_bytes else "")
         raise ValueError(f"fit(): nothing fits {fmt_bytes(budget_bytes)} per rank for {label} on mesh {shape}: the "
                          f"smallest peak reachable is {fmt_bytes(least.peak_bytes)} (at {least.peak_at}), of which "
-                         f"{_dominant(least)}" + (f" (every setting holds at least {fmt_bytes(bound)} at the end of "
-                                                   "its forward)" if bound > budget_bytes else ""))
+                         f"{_dominant(least)}{floor}")
     seconds, flops, send, s, e = best
     times = {other: (sec, fl, sn) for sec, fl, sn, other in timed}
     rejected = []
