@@ -1,6 +1,7 @@
-"""``fully_shard.plan.fit`` on the Llama 3 presets: the recipe, its planned peak and the search's own time for each
-model, world size and budget (1 x 8192 tokens per rank, bf16 allowed, the H100 profile). Writes
-``benchmarks/results/<date>-<machine>-fit-grid.json``, which docs/gen_figures.py renders into docs/tools.md.
+"""``fully_shard.plan.fit`` on the Llama 3 presets: the recipe, its planned peak and the search's own time (wall and
+CPU: the cores may be shared) for each model, world size and budget (1 x 8192 tokens per rank, bf16 allowed, the H100
+profile). Writes ``benchmarks/results/<date>-<machine>-fit-grid.json``, which docs/gen_figures.py renders into
+docs/tools.md.
 
     python -m benchmarks.fit_grid [--models llama3-8b,llama3-70b] [--worlds 8,64,512] [--budgets 24,40,80]
 """
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             for budget in (int(b) for b in args.budgets.split(",")):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 try:
                     r = fit(model, world, f"{budget}GiB", batch_size=1, seq_len=8192, mixed_precision=True)
                     row = {"recipe": r.setting.describe(), "peak_bytes": r.peak_bytes, "peak_at": r.peak_at,
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                 except ValueError as e:
                     row = {"error": str(e)}
                 row |= {"model": model, "world": world, "budget_gib": budget,
-                        "search_seconds": round(time.perf_counter() - start, 2), "load": os.getloadavg()[0]}
+                        "search_seconds": round(time.perf_counter() - start, 2),
+                        "cpu_seconds": round(time.process_time() - cpu, 2), "load": os.getloadavg()[0]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 with open(path, "w") as f:  # after each row: a run cut short keeps what it found

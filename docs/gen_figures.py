@@ -294,18 +294,20 @@ def fit_grid_region() -> str:
     """fit() on the Llama 3 presets: the newest benchmarks/results/*-fit-grid.json (python -m benchmarks.fit_grid)."""
     name, res = _newest("fit-grid", "fit()")
     lines = [f"From `{name}` (`python -m benchmarks.fit_grid`): `fit(model, world, budget, batch_size=1, "
-             "seq_len=8192, mixed_precision=True)`, H100 profile; the search's own seconds on this 2-core machine "
-             "(load average beside it: other jobs shared the cores).", "",
+             "seq_len=8192, mixed_precision=True)`, H100 profile; the search's own seconds on this 2-core machine, "
+             "wall and CPU (load average beside them: other jobs shared the cores).", "",
              "| model | ranks | budget | recipe | planned peak | at | step (model) | search |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         head = f"| {r['model']} | {r['world']} | {r['budget_gib']} GiB |"
+        cpu = f", {r['cpu_seconds']:.1f} s CPU" if "cpu_seconds" in r else ""
+        search = f"{r['search_seconds']:.1f} s{cpu} (load {r['load']:.0f})"
         if "error" in r:
             reason = r["error"].partition(": the ")[2] or r["error"]
-            lines.append(f"{head} nothing fits: {reason} | | | | {r['search_seconds']:.1f} s (load {r['load']:.0f}) |")
+            lines.append(f"{head} nothing fits: {reason} | | | | {search} |")
         else:
             lines.append(f"{head} {r['recipe']} | {r['peak_bytes'] / 2**30:.2f} GiB | {r['peak_at']} | "
-                         f"{r['step_seconds'] * 1e3:.0f} ms | {r['search_seconds']:.1f} s (load {r['load']:.0f}) |")
+                         f"{r['step_seconds'] * 1e3:.0f} ms | {search} |")
     return "\n".join(lines)
 
 

@@ -11,7 +11,8 @@ ops, which are tracked. Each storage gets a category when first seen:
 
 * ``existing``: before entry;
 * ``fully_shard``: allocated with a frame of the fully_shard package on the stack
-  (all-gather and reduce-scatter buffers, unsharded parameters, sharded gradients);
+  (all-gather and reduce-scatter buffers, unsharded parameters, sharded gradients), but for
+  its mixed-precision casts of a module's inputs and outputs (activations: the phase's);
 * the phase (``phase()``; ``setup`` before the first): allocated by other code then, e.g.
   ``forward`` / ``backward`` / ``optimizer``: activations, activation gradients, optimizer
   temporaries (and, in a benchmark, everything torch's FSDP2 or DDP allocate);
@@ -55,6 +56,16 @@ from torch.utils._pytree import tree_leaves
 import fully_shard
 
 ACTIVATIONS = ("forward", "backward")
+_CASTS = frozenset({"_cast_inputs", "_cast_output"})  # fully_shard's mixed-precision casts of a module's inputs/outputs
+
+
+def _names(f: Any) -> set[str]:
+    """The function names of frame ``f`` and its callers."""
+    out = set()
+    while f is not None:
+        out.add(f.f_code.co_name)
+        f = f.f_back
+    return out
 
 
 def _storages(t: Any) -> list[torch.UntypedStorage]:
@@ -229,7 +240,8 @@ class StorageTracker(TorchDispatchMode):
         f = sys._getframe(2)
         while f is not None:
             if f.f_code.co_filename.startswith(self._package):
-                return "fully_shard"
+                # a module's inputs or outputs cast to the mixed-precision dtype: activations, not model state
+                return self._phase or "setup" if _CASTS.intersection(_names(f)) else "fully_shard"
             f = f.f_back
         return self._phase or "setup"
 

@@ -38,23 +38,31 @@ def _space(world: int) -> list[Setting]:
 
 def _measure_body(settings: list[Setting]) -> list[int]:
     """Each setting applied to the model, a training step, then the peak of the next step (parameters, gradients,
-    optimizer state, buffers in flight: the storage tracker's ``model_state``)."""
+    optimizer state, buffers in flight: the storage tracker's ``model_state``), less the two storages from before the
+    step that are no model state: the batch (the plan counts no inputs) and the mesh's table of ranks."""
     from support.storages import StorageTracker
 
     out = []
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))  # one: a mesh's table of ranks outlives it
     for setting in settings:
         model = build()
-        setting.shard(model, init_device_mesh(device_type(), (dist.get_world_size(),)))
+        setting.shard(model, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tokens = batch(0, dist.get_rank(), GRID, batch_size=1)
+        outside = StorageTracker.bytes_of([tokens, mesh.mesh])
         peaks = []
         for i in range(3):  # the first builds the optimizer state; the lower of two later ones (gloo frees late)
-            with StorageTracker() as mem:
-                loss_fn(model(tokens), tokens).backward()
+            with StorageTracker() as mem:  # the phases tell activations (not model state) from what the plan counts
+                mem.phase("forward")
+                loss = loss_fn(model(tokens), tokens)
+                mem.phase("backward")
+                loss.backward()
+                mem.phase("optimizer")
                 opt.step()
                 opt.zero_grad()
+            del loss
             if i:
-                peaks.append(mem.report()["model_state"])
+                peaks.append(mem.report()["model_state"] - outside)
         out.append(min(peaks))
     return out
 
@@ -64,7 +72,7 @@ def _measure_body(settings: list[Setting]) -> list[int]:
 def test_fit_is_the_best_that_fits_and_the_step_stays_within(world: int) -> None:
     """For budgets from the smallest to the largest peak of the space: fit() chooses the fastest setting (by the cost
     model) of all those whose planned peak fits, the least memory among ties, and the applied recipe's measured
-    step stays within the budget (to the planner's 1%)."""
+    step holds its planned peak to the byte on rank 0 (the plan's), at most that on the others."""
     search = FIT._Search(build(), "grid", (world,), device_type="cpu", optimizer="adamw", batch_size=None,
                          seq_len=None, activations=False, profile=FIT.PROFILES["h100"])
     space = _space(world)
@@ -90,9 +98,8 @@ def test_fit_is_the_best_that_fits_and_the_step_stays_within(world: int) -> None
         for rank in range(world):
             print(f"[{world} ranks] budget {budget:,}: {setting.describe()}: planned {peaks[setting]:,} B, "
                   f"measured {measured[rank][i]:,} B on rank {rank}")
-            # within the planner's validated accuracy (tests/test_plan.py: planned = measured within 1%); at the
-            # tightest budget the measured step of a prefetch-2 setting held 0.17% more than planned
-            assert measured[rank][i] <= budget * 1.01, (budget, setting, rank, measured[rank][i])
+            assert measured[rank][i] <= peaks[setting] <= budget, (budget, setting, rank, measured[rank][i])
+        assert measured[0][i] == peaks[setting], (setting, measured[0][i])  # rank 0's, as planned: to the byte
     assert len(set(chosen)) > 1  # the grid of budgets makes it choose differently
 
 

@@ -220,7 +220,8 @@ def plan(
         sharded = _owned(states)
         offload = any(p.offload for p in sharded)
         on_device = not offload or not streams  # where the sharded state lives
-        opt = _Optimizer(optimizer, foreach, [p for p in sharded if p.sharded_param.requires_grad], on_device)
+        opt = _Optimizer(optimizer, foreach, [p for p in sharded if p.sharded_param.requires_grad], on_device,
+                         device_type)
         step = measure_step(model, streams=streams, activations=acts, optimizer_step=opt.step)
     fields = _memory(step, model, on_device, opt) | _communication(step.collectives)
     groups = [_group(s, model, step.collectives, shard, opt.states, on_device) for s in states if s.group is not None]
@@ -248,10 +249,13 @@ class _Optimizer:
     """What the optimizer adds: its state (AdamW/Adam two per parameter, SGD with momentum one, each like the
     parameter's local shard) and its step's temporaries (AdamW/Adam: a foreach step one per parameter,
     ``exp_avg_sq.sqrt()``; a per-tensor step two of the largest; SGD updates in place), on the device unless the
-    sharded state is offloaded."""
+    sharded state is offloaded. AdamW/Adam also count steps in a float32 scalar per parameter (``counters``), kept
+    on the host (not capturable, not fused): device memory only when the device is the CPU."""
 
-    def __init__(self, name: str, foreach: bool, trainable: list[ShardedParam], on_device: bool) -> None:
+    def __init__(self, name: str, foreach: bool, trainable: list[ShardedParam], on_device: bool,
+                 device_type: str) -> None:
         self.states = OPTIMIZERS[name]
+        self.counters = 4 * len(trainable) if self.states == 2 and on_device and device_type == "cpu" else 0
         local = [p.local_shard.numel() * p.local_shard.element_size() for p in trainable]
         if self.states == 2:
             self.temporaries = sum(local) if foreach else 2 * max(local, default=0)
@@ -327,7 +331,7 @@ def _memory(step: Step, model: nn.Module, on_device: bool, opt: _Optimizer) -> d
     grads = _grad_bytes(sharded, on_device)
     optim = opt.states * _storage_bytes(p.sharded_param for p in sharded if p.sharded_param.requires_grad)
     buffers = _storage_bytes(model.buffers())
-    base = (params + optim if on_device else 0) + buffers
+    base = (params + optim if on_device else 0) + buffers + opt.counters
     trace = [["start of step", *step.start.values()], *step.rows]
     rows = [[where, base + (state - step.start["state"] if on_device else 0), *rest] for where, state, *rest in trace]
     totals = [sum(r[1:]) for r in rows]

@@ -11,8 +11,9 @@ Each setting's time comes from the step-time model (``cost.py``) on the collecti
 from the planner itself. The blocks are identical, so a model of L blocks is planned at two depths of a few blocks
 and each row of the memory trace (the rows near the first and the last block: a step's peak is at one end, since
 what a block holds grows by the same bytes per block) is extrapolated to L blocks: the same peak a full plan gives.
-Settings are visited fastest first; one whose end of forward cannot fit (its sharded state and kept activations,
-counted without a plan) is skipped unplanned; the first that fits wins, ties in time going to the one using less.
+Settings are visited fastest first; one whose end of forward cannot fit (its sharded state, the unsharded block
+parameters and the activations it keeps for backward, counted without a plan) is skipped unplanned; the first that
+fits wins, ties in time going to the one using less.
 (No setting is pruned for holding "more" than one that did not fit: the peak is not monotone in every option.)
 """
 
@@ -407,11 +408,25 @@ class _Search:
         states = OPTIMIZERS[self.options["optimizer"]]
         return sum(self._bytes(p, s)[2] for _, p, _, _ in self.group_params(s)) * (1 + states)
 
+    def kept_params(self, s: Setting) -> int:
+        """The unsharded block parameters ``s`` keeps from its forward to its backward, at least: every block's whole
+        parameters (unpadded, in the all-gather dtype) with ``reshard_after_forward=False``, a 1/k part with k."""
+        raf = s.reshard_after_forward
+        if raf is True:
+            return 0
+        key = ("kept", s.param_dtype)
+        if key not in self.memo:
+            size = torch.empty((), dtype=s.param_dtype).element_size() if s.param_dtype is not None else None
+            self.memo[key] = sum(p.numel() * (size if size and p.is_floating_point() else p.element_size())
+                                 for b in self.block_modules for p in b.parameters())
+        return int(self.memo[key]) // (1 if raf is False else int(raf))
+
     def lower_bound(self, s: Setting) -> int:
-        """What the end of ``s``'s forward holds at least: the sharded state and the activations kept (a block's, or
-        its input when checkpointed, and the rest of the model's): a setting above the budget needs no plan."""
+        """What the end of ``s``'s forward holds at least: the sharded state, the unsharded block parameters kept for
+        backward (``kept_params``) and the activations kept (a block's, or its input when checkpointed, and the rest
+        of the model's): a setting above the budget needs no plan."""
         if self.options["batch_size"] is None:
-            return self.state_bytes(s)
+            return self.state_bytes(s) + self.kept_params(s)
         compute = s.param_dtype or torch.float32
         if compute not in self.acts:
             self.acts[compute] = estimate_activations(self.model, self.options["batch_size"], self.options["seq_len"],
@@ -419,7 +434,7 @@ class _Search:
         est = self.acts[compute]
         ckpt = len(s.checkpointed(self.blocks))
         kept = ckpt * est.block_input_bytes + (self.blocks - ckpt) * est.block_bytes + est.rest_bytes
-        return self.state_bytes(s) + kept
+        return self.state_bytes(s) + self.kept_params(s) + kept
 
     def flops(self, module: nn.Module) -> float:
         """Forward FLOPs of ``module`` per step: two per weight element and token (an embedding's: none)."""
