@@ -34,13 +34,17 @@ from typing import Any
 PARITY_STEPS, BATCH, SEQ = 4, 4, 64
 RTOL = {"fp32": 1e-4, "bf16": 3e-2, "quant": 3e-2}  # bf16: against the fp32 oracle; quant: int8 collectives
 NAMES = {"fully_shard": "fully_shard", "fully_shard_int8": "fully_shard int8 weights+grads",
-         "fully_shard_compiled_blocks": "fully_shard, compiled blocks", "zero3": "DeepSpeed ZeRO-3",
+         "fully_shard_compiled_blocks": "fully_shard, compiled blocks",
+         "fully_shard_compiled_whole": "fully_shard, torch.compile whole", "zero3": "DeepSpeed ZeRO-3",
          "zero3_pp": "DeepSpeed ZeRO++ (qW+qG)", "simple_fsdp": "SimpleFSDP",
          "simple_fsdp_compiled": "SimpleFSDP, torch.compile"}
 IMPLS = tuple(NAMES)
-# (ours, peer) per row; SimpleFSDP compiled against fully_shard with compiled blocks
+# (ours, peer) per row; SimpleFSDP compiled against fully_shard compiled per block and whole (issue 37: the whole
+# step against our eager and per-block steps too)
 PAIRS = [("fully_shard", "zero3"), ("fully_shard_int8", "zero3_pp"), ("fully_shard", "simple_fsdp"),
-         ("fully_shard_compiled_blocks", "simple_fsdp_compiled")]
+         ("fully_shard_compiled_blocks", "simple_fsdp_compiled"),
+         ("fully_shard_compiled_whole", "simple_fsdp_compiled"), ("fully_shard_compiled_whole", "fully_shard"),
+         ("fully_shard_compiled_whole", "fully_shard_compiled_blocks")]
 
 
 def ds_config(mp: str, world: int, quant: bool) -> dict[str, Any]:
@@ -81,6 +85,8 @@ def _build(impl: str, base: Any, mp: str, mesh: Any, world: int) -> Any:
             for block in model.layers:  # as torchtitan compiles: each block, before sharding
                 block.compile()
         shard_model(model, "fully_shard", mesh, True, mp)
+        if impl.endswith("compiled_whole"):  # after sharding: the blocks' collectives in one graph (traced.py)
+            model.compile(fullgraph=True)
         if impl.endswith("int8"):
             from fully_shard.quant import quantize_comms
 
@@ -237,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     t0, wanted, worlds = time.perf_counter(), a.impls.split(","), [int(w) for w in a.worlds.split(",")]
     # the eager rows first (fp32, then bf16), the compiled ones (fp32 only) last
     jobs = [(w, mp, [i for i in wanted if "compiled" not in i]) for mp in a.mps.split(",") for w in worlds]
-    jobs += [(w, "fp32", [i for i in wanted if "compiled" in i]) for w in worlds if "fp32" in a.mps]
+    # (the eager fully_shard again beside them: the compiled whole step against our eager one, in the same job)
+    compiled = [i for i in wanted if "compiled" in i] + ["fully_shard"] * ("fully_shard" in wanted)
+    jobs += [(w, "fp32", compiled) for w in worlds if "fp32" in a.mps and "compiled" in "".join(compiled)]
     for world, mp, impls in (j for j in jobs if j[2]):
         job = {"mp": mp, "quick": a.quick, "rounds": 2 if a.quick else a.rounds, "memory": not a.quick,
                "impls": impls, "profile": a.profile}
