@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.harness import THREAD_LIMIT, DistributedTestFailure, _thread_count, mesh, run_distributed, thread_peaks
+from tests.torch_features import skip_without_torch_feature
 
 # ---------------------------------------------------------------------------
 # Bodies run on the workers (module level so they pickle by reference).
@@ -153,13 +154,14 @@ def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limi
     starts with as many threads as the first (the previous harness kept them all: 9 more threads a call, 64 passed by
     the 7th), and the highest count the workers saw stays within THREAD_LIMIT."""
     runs = [run_distributed(_make_every_kind_of_group, 4) for _ in range(12)]
+    assert all(run[rank]["sum"] == 4 for run in runs for rank in range(4))
+    made = max(run[rank]["made"] for run in runs for rank in range(4))
+    assert made <= thread_peaks()[4][0] and made <= THREAD_LIMIT  # the harness saw at least what the bodies counted
+    skip_without_torch_feature("gloo threads ending with their destroyed groups")
     for rank in range(4):
         starts = [run[rank]["start"] for run in runs]
         assert starts == [starts[0]] * 12, (rank, starts)
         assert all(run[rank]["made"] > starts[0] for run in runs), rank  # the groups did hold threads while alive
-        assert all(run[rank]["sum"] == 4 for run in runs)
-    made = max(run[rank]["made"] for run in runs for rank in range(4))
-    assert made <= thread_peaks()[4][0] and made <= THREAD_LIMIT  # the harness saw at least what the bodies counted
 
 
 def test_a_worker_over_the_thread_limit_fails_its_call_then_pool_recovers() -> None:
@@ -231,6 +233,9 @@ def test_unpicklable_function_is_rejected_in_the_parent() -> None:
 
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_other_world_sizes(world_size: int) -> None:
+    # first a call of its own: a pool that an earlier test left over the harness's thread mark is replaced after it,
+    # not between the two calls compared below
+    run_distributed(_pid, world_size)
     results = run_distributed(_rank_info, world_size, 1.0)
     assert [r["rank"] for r in results] == list(range(world_size))
     assert [r["sum"] for r in results] == [float(sum(range(world_size)))] * world_size

@@ -51,7 +51,10 @@ FIXES = {"FSDP2 running a block called twice": "2.13",
          # have the same dtype" in the second)
          "FSDP2 casting every grouped module's inputs": "2.13",
          # a parameter tied across fully_shard calls: torch 2.11 trains on where torch 2.13 refuses it
-         "FSDP2 refusing a parameter tied across calls": "2.13"}
+         "FSDP2 refusing a parameter tied across calls": "2.13",
+         # the gloo threads of a 2-D DeviceMesh's groups end once the groups are destroyed and no Python object holds
+         # them: torch 2.11 keeps 6 threads a call (tests/test_harness.py; the harness replaces such pools)
+         "gloo threads ending with their destroyed groups": "2.13"}
 # features shown by an object, not a name: how to tell
 SHOWN = {"ReduceOp.PREMUL_SUM factor": lambda: hasattr(dist._make_nccl_premul_sum(0.5), "factor")}
 
