@@ -160,7 +160,10 @@ def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limi
     skip_without_torch_feature("gloo threads ending with their destroyed groups")
     for rank in range(4):
         starts = [run[rank]["start"] for run in runs]
-        assert starts == [starts[0]] * 12, (rank, starts)
+        # nothing adds up over calls: from the second call on, every call starts with as many threads (the first call
+        # of a fresh pool starts torch's own pools; torch 2.14.1 also keeps one call's two mesh groups, 6 threads, in
+        # a cache of its own until the next call replaces them)
+        assert starts[1:] == [starts[1]] * 11, (rank, starts)
         assert all(run[rank]["made"] > starts[0] for run in runs), rank  # the groups did hold threads while alive
 
 
