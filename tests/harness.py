@@ -33,6 +33,12 @@ Design:
   (:func:`thread_peaks` has the highest counts seen, per world size). A pool whose worker
   still holds more than half the limit after the clean-up (groups some cache of torch's
   keeps) is replaced before the next call, so nothing adds up over calls.
+* The one exception: meshes made by ``init_device_mesh`` are shared by the calls of a pool, as in one
+  training job: a call that asks for a mesh another call made (the same device type, shape and dimension names)
+  gets the same ``DeviceMesh``, whose groups stay, and so do DTensor's sharding caches, which are keyed by equal
+  meshes (recomputing them after every call was a fifth of the workers' time). At most
+  :data:`MESH_GROUPS_KEPT` groups stay; a call that made any other group (``new_group``, a flattened or sliced
+  mesh's group, k-rank groups) or more meshes than that is cleaned up as above, its shared meshes with it.
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
 * The device switch: ``FULLY_SHARD_TEST_DEVICE=cuda`` (any accelerator type torch knows)
@@ -109,6 +115,10 @@ _PG_TIMEOUT = timedelta(seconds=60)
 _STARTUP_ATTEMPTS = 3
 # The most threads a worker may hold at any point of a call (its default group, torch's pools, a call's own groups).
 THREAD_LIMIT = 64
+# The most process groups of shared meshes (init_device_mesh's, reused by later calls) a worker keeps between calls.
+MESH_GROUPS_KEPT = 6
+# (device type, shape, dimension names, other arguments) -> the DeviceMesh the worker's calls share
+_MESHES: dict[Any, Any] = {}
 # Seconds a rank whose call returned waits for the other ranks' calls before it destroys the call's groups.
 _RETURNED_WAIT_S = 60.0
 # Seconds between two counts of a worker's threads while it serves a call.
@@ -347,20 +357,48 @@ def _release_groups() -> None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # the call destroyed the world, its shared meshes' groups with it
+        _MESHES.clear()
+        _clear_dtensor_caches()
         return
     default = c10d._get_default_group()
     made = [pg for pg in c10d._world.pg_names if pg is not default]
     mesh_module = sys.modules.get("fully_shard.mesh")
     if mesh_module is not None:
         mesh_module._k_rank_groups.clear()  # reshard_after_forward=k's groups, made once per world
-    if not made:
-        return
-    for pg in made:
-        dist.destroy_process_group(pg)
-    del made, pg
+    kept = {id(pg) for mesh in _MESHES.values() for pg in mesh.get_all_groups() if pg is not default}
+    alive = {id(pg) for pg in made}
+    if alive == kept and len(kept) <= MESH_GROUPS_KEPT:
+        return  # the call made no group but its shared meshes': they and DTensor's caches stay for the next calls
+    _MESHES.clear()
+    while made:
+        dist.destroy_process_group(made.pop())
     _clear_dtensor_caches()
     gc.collect()
+
+
+def _share_meshes() -> None:
+    """Make ``init_device_mesh`` return the mesh an earlier call made with the same arguments (module docstring)."""
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    make = device_mesh.init_device_mesh
+
+    @functools.wraps(make)
+    def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *, mesh_dim_names: Any = None,
+                         **kwargs: Any) -> Any:
+        key = (device_type, tuple(mesh_shape), None if mesh_dim_names is None else tuple(mesh_dim_names),
+               tuple(sorted(kwargs.items())))
+        mesh = _MESHES.get(key)
+        if mesh is None:
+            mesh = _MESHES[key] = make(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
+        return mesh
+
+    device_mesh.init_device_mesh = init_device_mesh  # before any test module (or fully_shard) imports it
+    if getattr(dist, "init_device_mesh", None) is make:
+        dist.init_device_mesh = init_device_mesh
 
 
 def _clear_dtensor_caches() -> None:
@@ -460,6 +498,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         conn.send((_MSG_ERR, "worker start-up failed:\n" + traceback.format_exc()))
         _flush_std_streams()
         os._exit(1)  # as below: no finalization while a half-made process group may hold threads
+    _share_meshes()
     watch = _ThreadWatch()
     left = _thread_count()  # the threads a worker holds between calls (after the previous call's clean-up)
     conn.send((_MSG_READY, os.getpid()))

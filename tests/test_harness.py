@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tests import harness
 from tests.harness import THREAD_LIMIT, DistributedTestFailure, _thread_count, mesh, run_distributed, thread_peaks
 from tests.torch_features import skip_without_torch_feature
 
@@ -50,11 +51,28 @@ def _leave_subgroup_behind() -> int:
 
 
 def _count_groups() -> int:
+    """The groups this worker holds, but those of the meshes the harness shares between calls."""
     from torch.distributed import distributed_c10d as c10d
 
     t = torch.ones(1)
     dist.all_reduce(t)  # default group still usable
-    return len(c10d._world.pg_map)
+    shared = {pg for m in harness._MESHES.values() for pg in m.get_all_groups()} - {c10d._get_default_group()}
+    return len(c10d._world.pg_map) - len(shared)
+
+
+def _mesh_groups(shape: tuple[int, ...]) -> list[str]:
+    """The group names of ``mesh(shape)``'s dimensions, after a step of a model sharded on it."""
+    from fully_shard import fully_shard
+
+    m = mesh(shape, ("replicate", "shard"))
+    model = fully_shard(nn.Linear(8, 8), mesh=m)
+    model(torch.randn(2, 8)).sum().backward()
+    return [pg.group_name for pg in m.get_all_groups()]
+
+
+def _make_a_subgroup() -> int:
+    dist.new_group(list(range(dist.get_world_size())))
+    return dist.get_rank()
 
 
 def _make_every_kind_of_group() -> dict[str, int]:
@@ -147,6 +165,18 @@ def test_distributed_state_is_reset_between_calls() -> None:
     # the default group is re-created, usable, in the same workers
     assert run_distributed(_count_groups, 2)[0] >= 1
     assert run_distributed(_pid, 2) == pids
+
+
+def test_calls_share_init_device_mesh_meshes_until_a_call_makes_another_group() -> None:
+    """A mesh one call made with ``init_device_mesh`` is the mesh the next call with the same arguments gets (its
+    groups, and DTensor's caches of it, stay); a call that makes any other group releases it with that group."""
+    first = run_distributed(_mesh_groups, 4, (2, 2))
+    assert len(set(first[0])) == 2 and first[0] != first[2]  # rank 0's and rank 2's shard groups differ
+    assert run_distributed(_mesh_groups, 4, (2, 2)) == first  # the same groups: the same mesh
+    assert run_distributed(_count_groups, 4) == [1] * 4  # besides the shared mesh: the default group alone
+    assert run_distributed(_make_a_subgroup, 4) == [0, 1, 2, 3]
+    again = run_distributed(_mesh_groups, 4, (2, 2))
+    assert set(again[0]).isdisjoint(first[0]), (again, first)  # released with the subgroup: a new mesh
 
 
 def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limit() -> None:
