@@ -12,7 +12,9 @@ parameters, again in backward, and its reduce-scatter in backward. The root's ow
 The grid: default settings, ``reshard_after_forward`` False and an int, mixed precision (bf16 parameters, fp32
 reduction), activation checkpointing (torchtitan's ``checkpoint_wrapper`` around each block), weights tied within the
 root's group, ignored parameters, and HSDP (4 ranks as 2 replicas of 2 shards). Gradient accumulation with
-``set_requires_gradient_sync(False)`` raises ``TracedUnsupportedError`` naming the module.
+``set_requires_gradient_sync(False)`` for the micro-batches before the last: bitwise against eager fully_shard
+accumulating the same way (default settings, mixed precision, ``reshard_after_forward=False``), two dynamo graphs;
+the parameters cast after ``set_requires_gradient_sync(False)`` raise ``TracedUnsupportedError`` naming the module.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def _collectives(gm: torch.fx.GraphModule) -> Counter[str]:
                    and "wait_tensor" not in str(n.target))
 
 
-def train(setting: str, compiled: bool) -> dict[str, Any]:
-    """``STEPS`` steps; losses, full parameters, graph and collective counts."""
+def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True) -> dict[str, Any]:
+    """``STEPS`` steps of ``micro`` micro-batches each (gradient sync off for all but the last, as torch's FSDP2 users
+    accumulate); losses, full parameters, graph and collective counts."""
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
@@ -94,12 +97,15 @@ def train(setting: str, compiled: bool) -> dict[str, Any]:
     losses = []
     try:
         for step in range(STEPS):
-            x = batch(step, dist.get_rank(), ARGS)
-            loss = loss_fn(run(x), x)
-            loss.backward()
+            for m in range(micro):
+                if micro > 1 and accumulate:
+                    model.set_requires_gradient_sync(m == micro - 1)  # type: ignore[operator]
+                x = batch(step * micro + m, dist.get_rank(), ARGS)
+                loss = loss_fn(run(x), x) / micro
+                loss.backward()
+                losses.append(loss.item())
             opt.step()
             opt.zero_grad()
-            losses.append(loss.item())
     finally:
         torch._dynamo.reset()
     params = {n.replace(_PREFIX, ""): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
@@ -157,12 +163,45 @@ def test_whole_compile_bitwise_4_ranks() -> None:
         _check("reshard-int", *r["reshard-int"])
 
 
-def _accumulate_body() -> str:
+def accumulate_body(setting: str, micro: int) -> dict[str, Any]:
+    return {"eager": train(setting, False, micro), "compiled": train(setting, True, micro),
+            "synced": train(setting, False, micro, accumulate=False) if setting == "default" else None}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(("setting", "micro"), [("default", 3), ("mp", 2), ("reshard-false", 2)])
+def test_whole_compile_gradient_accumulation(setting: str, micro: int) -> None:
+    """``set_requires_gradient_sync(False)`` for all micro-batches of a step but the last: the compiled step keeps the
+    blocks' full gradients (no reduce-scatter) and the last micro-batch reduce-scatters them with its own, bitwise as
+    eager fully_shard. Two dynamo graphs: sync off, and sync on with gradients held."""
+    for r in run_distributed(accumulate_body, 2, setting, micro, timeout=600):
+        eager, compiled = r["eager"], r["compiled"]
+        assert len(eager["losses"]) == STEPS * micro and eager["losses"][0] != eager["losses"][-1]
+        assert compiled["graphs"] == 2 and compiled["breaks"] == 0, (compiled["graphs"], compiled["breaks"])
+        # bitwise: the same sums of the same full gradients in the same order, then the same reduce-scatter
+        assert compiled["losses"] == eager["losses"], (compiled["losses"], eager["losses"])
+        assert list(compiled["params"]) == list(eager["params"])
+        for name, p in compiled["params"].items():
+            torch.testing.assert_close(p, eager["params"][name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        # graph 1 (sync off): gathers only; graph 2 (sync on): each block's reduce-scatter, of its held sum too
+        forwards, (off, on) = compiled["collectives"]["forward"], compiled["collectives"]["backward"]
+        assert forwards == [Counter(all_gather_into_tensor=2)] * 2, forwards
+        regather = Counter(all_gather_into_tensor=0 if setting == "reshard-false" else 2)
+        assert off == +regather, off
+        assert on == regather + Counter(reduce_scatter_tensor=2), on
+        # and accumulating differs from reducing each micro-batch, so the test can tell them apart (fp32 only: with
+        # bf16 gradients both sum in fp32 exactly here)
+        synced = r["synced"]["params"].values() if r["synced"] is not None else None
+        assert synced is None or any(not torch.equal(p, q) for p, q in zip(compiled["params"].values(), synced))
+
+
+def _refused_body() -> str:
     import torch._dynamo
 
     model = build("default", dist.get_world_size())
-    run = torch.compile(model, backend="aot_eager", fullgraph=True)
     model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    model.double()  # after: the sinks for the traced backward's gradients no longer fit
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = batch(0, dist.get_rank(), ARGS)
     try:
         loss_fn(run(x), x).backward()
@@ -173,7 +212,7 @@ def _accumulate_body() -> str:
     return "no error"
 
 
-def test_gradient_accumulation_refused() -> None:
-    for text in run_distributed(_accumulate_body, 2):
-        assert "module 'layers.0' (Block) has gradient sync off" in text, text
-        assert "compile block by block" in text, text
+def test_gradient_accumulation_refused_after_cast() -> None:
+    for text in run_distributed(_refused_body, 2):
+        assert "module 'layers.0' (Block) has gradient sync off but its parameters changed dtype" in text, text
+        assert "Call set_requires_gradient_sync(False) again" in text, text
