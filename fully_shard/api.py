@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from . import traced
 from .compat import mark_fully_sharded
 from .group import GroupOptions, ParamGroup
 from .mesh import MeshInfo, mesh_info_for, mesh_info_of, resolve_reshard_after_forward, separate_group
@@ -453,6 +454,8 @@ class FSDPModule:
         """Turn gradient reduction on or off (off: gradients accumulate unsharded, locally, until a backward with it
         on). Applies to submodules too unless ``recurse=False``."""
         self._update(recurse, lambda g: replace(g.options, requires_gradient_sync=requires_gradient_sync))
+        for group in self._groups(recurse) if not requires_gradient_sync else ():
+            traced.make_sinks(group)  # for torch.compile of the whole model (a leaf cannot be made while tracing)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: turn the all-reduce across replicas on or off (the reduce-scatter still runs)."""

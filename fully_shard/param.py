@@ -347,6 +347,7 @@ class Tie:
     def __init__(self, first: ShardedParam) -> None:
         self.params = [first]
         self.grad: torch.Tensor | None = None  # ShardedParam.accumulated_grad
+        self.sink: torch.Tensor | None = None  # while gradient sync is off, the traced path's leaf (traced.make_sinks)
 
 
 class SelfGather:

@@ -10,7 +10,10 @@ factors (SimpleFSDP's idea, arXiv 2411.00284):
                   unsharded dtype; the modules compute with the gathered tensors
     backward      the all-gather's autograd: one functional reduce-scatter (and, under HSDP, an all-reduce across
                   replicas) of the full gradients, with the eager path's reduce op and pre/post divide factors; the
-                  result reaches the sharded DTensor parameters through ``DTensor.to_local``'s autograd
+                  result reaches the sharded DTensor parameters through ``DTensor.to_local``'s autograd. With
+                  gradient sync off (gradient accumulation), no collective: the full gradients leave the graph
+                  through a leaf per parameter (``make_sinks``) into ``accumulated_grad``, which the next backward
+                  with sync on adds to its own before its reduce-scatter, as the eager path does
     post_forward  the modules point at the sharded parameters again. ``reshard_after_forward`` says what backward
                   gets: True (and an int: see ``check_traceable``) recomputes the all-gather in backward (a selective
                   activation-checkpoint policy that recomputes only the collective and its copy-out), False saves
@@ -35,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .comm import divide_factors
 from .group import ParamGroup, _buckets
 from .layout import MeshLayout, reduced_parts
-from .param import ShardedParam
+from .param import ShardedParam, Tie
 
 
 class TracedUnsupportedError(NotImplementedError):
@@ -89,15 +92,22 @@ def _copy_out(p: ShardedParam, block: torch.Tensor) -> torch.Tensor:
     return layout.unsharded(flat)
 
 
-def _reduce(bucket: _Bucket, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-    """This rank's reduced gradient of each parameter (its local shape, its sharded dtype) from the full ones."""
-    if all(g is None for g in grads):
+def _reduce(bucket: _Bucket, grads: tuple[torch.Tensor | None, ...],
+            held: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """This rank's reduced gradient of each parameter (its local shape, its sharded dtype) from the full ones, each
+    added to the full gradient accumulated while gradient sync was off (``held``: reduce dtype, or None) as the eager
+    path adds it (``ParamGroup.reduce_grads``)."""
+    full: list[torch.Tensor | None] = []
+    for g, acc in zip(grads, held):
+        g = None if g is None else g.to(bucket.reduce_dtype)
+        full.append(g if acc is None else acc if g is None else acc + g)
+    if all(g is None for g in full):
         return [None] * len(grads)
-    full = [torch.zeros(p.size, dtype=bucket.reduce_dtype, device=p.device) if g is None else g.to(bucket.reduce_dtype)
-            for p, g in zip(bucket.params, grads)]
+    full = [torch.zeros(p.size, dtype=bucket.reduce_dtype, device=p.device) if g is None else g
+            for p, g in zip(bucket.params, full)]
     world = bucket.world
-    inp = torch._chunk_cat([p.layout.grad_for_reduce(g) for p, g in zip(bucket.params, full)], dim=0,
-                           num_chunks=world)  # (world, cols): row r is rank r's slots
+    inp = torch._chunk_cat([p.layout.grad_for_reduce(cast(torch.Tensor, g)) for p, g in zip(bucket.params, full)],
+                           dim=0, num_chunks=world)  # (world, cols): row r is rank r's slots
     if bucket.pre is not None and bucket.pre != 1:
         inp = inp / bucket.pre
     out = inp.view(-1)
@@ -112,21 +122,41 @@ def _reduce(bucket: _Bucket, grads: tuple[torch.Tensor | None, ...]) -> list[tor
 
 
 class _GatherFunction(torch.autograd.Function):
-    """All-gather forward, reduce-scatter backward, for one bucket."""
+    """All-gather forward, for one bucket; ``tensors`` are its shards, then, in backward:
+
+    - gradient sync on: one reduce-scatter of the full gradients, each added to the one accumulated while sync was off
+      where ``held`` (a flag per parameter) says so; the held gradients follow the shards in ``tensors``;
+    - gradient sync off: no collective; the sinks (``make_sinks``) follow the shards in ``tensors``, and each full
+      gradient, in the reduce dtype, goes to its parameter's sink, whose hook accumulates it as the eager path does.
+    """
 
     @staticmethod
-    def forward(ctx: Any, bucket: _Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.bucket = bucket
-        return _gather(bucket, *shards)
+    def forward(ctx: Any, bucket: _Bucket, sync: bool, held: tuple[bool, ...],
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = len(bucket.params)
+        ctx.bucket, ctx.sync, ctx.held, ctx.extra = bucket, sync, held, len(tensors) - n
+        if sync:
+            ctx.save_for_backward(*tensors[n:])
+        return _gather(bucket, *tensors[:n])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        return (None, *_reduce(ctx.bucket, grads))
+        bucket, none = ctx.bucket, (None,) * ctx.extra
+        if not ctx.sync:
+            to_sinks = [None if g is None else g.to(bucket.reduce_dtype) for g in grads]
+            return (None, None, None, *(None,) * len(grads), *to_sinks)
+        saved = iter(ctx.saved_tensors)
+        held = [next(saved) if h else None for h in ctx.held]
+        return (None, None, None, *_reduce(bucket, grads, held), *none)
 
 
-def _gather_bucket(bucket: _Bucket) -> tuple[torch.Tensor, ...]:
+def _gather_bucket(bucket: _Bucket, sync: bool, flags: tuple[bool, ...],
+                   *held: torch.Tensor) -> tuple[torch.Tensor, ...]:
     shards = [cast(DTensor, p.sharded_param).to_local() for p in bucket.params]  # differentiable: grads reach it
-    return _GatherFunction.apply(bucket, *shards)  # type: ignore[no-untyped-call, no-any-return]
+    if not sync:
+        sinks = [cast(torch.Tensor, p.tie.sink) for p in bucket.params]
+        return _GatherFunction.apply(bucket, False, (), *shards, *sinks)  # type: ignore[no-untyped-call, no-any-return]
+    return _GatherFunction.apply(bucket, True, flags, *shards, *held)  # type: ignore[no-untyped-call, no-any-return]
 
 
 def _recompute_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -136,15 +166,23 @@ def _recompute_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Chec
 
 
 def gathered_params(group: ParamGroup, reshard: bool) -> list[tuple[ShardedParam, torch.Tensor]]:
-    """Each parameter of ``group`` with its full tensor, gathered in the graph being traced."""
+    """Each parameter of ``group`` with its full tensor, gathered in the graph being traced. Under grad mode with
+    gradient sync on, the gradients accumulated with it off are this backward's to reduce: taken here (cleared now, as
+    the eager ``reduce_grads`` clears them), outside the checkpoint, which allows no side effects."""
+    grad = torch.is_grad_enabled()
+    sync = group.options.requires_gradient_sync or not grad
     out = []
     for params in _buckets(group.params, lambda p: p.unsharded_dtype):
         bucket = _Bucket(params, group)
+        held = [p.tie.grad if sync and grad else None for p in params]
+        for p in params if sync and grad else ():
+            p.tie.grad = None
+        flags, tensors = tuple(h is not None for h in held), [h for h in held if h is not None]
         if reshard:
             context = functools.partial(create_selective_checkpoint_contexts, _recompute_collectives)
-            fulls = checkpoint(_gather_bucket, bucket, use_reentrant=False, context_fn=context)
+            fulls = checkpoint(_gather_bucket, bucket, sync, flags, *tensors, use_reentrant=False, context_fn=context)
         else:
-            fulls = _gather_bucket(bucket)
+            fulls = _gather_bucket(bucket, sync, flags, *tensors)
         out += list(zip(params, fulls))
     return out
 
@@ -173,6 +211,32 @@ def sharded(group: ParamGroup) -> list[tuple[ShardedParam, torch.Tensor]]:
     return [(p, p.sharded_param) for p in group.params]
 
 
+def make_sinks(group: ParamGroup) -> None:
+    """Give each parameter of ``group`` a sink for its full gradient while gradient sync is off: a leaf of the full
+    shape and the reduce dtype that holds no memory (a 0-d tensor expanded), which the traced backward's
+    ``_GatherFunction`` gives the gradient and autograd's ``AccumulateGrad`` (eager, after the compiled backward)
+    stores; its hook then moves it into ``accumulated_grad`` as ``ParamGroup.reduce_grads`` does (the first one kept,
+    later ones added in place), so both paths accumulate into the one state. Runs eagerly, from
+    ``set_requires_gradient_sync(False)``: a leaf cannot be made while tracing."""
+    for p in group.params:
+        if _sink_fits(p):
+            continue
+        sink = torch.empty((), dtype=p.reduce_dtype, device=p.device).expand(p.size).detach().requires_grad_()
+        sink.register_post_accumulate_grad_hook(functools.partial(_accumulate, p.tie))
+        p.tie.sink = sink
+
+
+def _sink_fits(p: ShardedParam) -> bool:
+    sink = p.tie.sink
+    return sink is not None and sink.dtype == p.reduce_dtype and sink.device == p.device and sink.shape == p.size
+
+
+def _accumulate(tie: Tie, sink: torch.Tensor) -> None:
+    grad, sink.grad = sink.grad, None
+    if grad is not None:
+        tie.grad = grad if tie.grad is None else tie.grad.add_(grad)
+
+
 def check_traceable(state: Any) -> None:
     """Raise ``TracedUnsupportedError``, naming the module and the setting, for what the traced path cannot run as the
     eager path does. Runs at trace time (dynamo guards on what it reads, so a setting changed later retraces)."""
@@ -196,9 +260,11 @@ def check_traceable(state: Any) -> None:
         refuse("is unsharded when the traced forward starts (an explicit unshard(), or a forward not finished)",
                "Leave the gathering to the compiled forward.")
     o = group.options
-    if not o.requires_gradient_sync or any(p.accumulated_grad is not None for p in group.params):
-        refuse("has gradient sync off (set_requires_gradient_sync(False): gradient accumulation without reduction)",
-               "Keep gradient sync on under a whole-model compile (each microbatch then reduce-scatters). " + per_block)
+    if not o.requires_gradient_sync and any(not _sink_fits(p) for p in group.params):
+        # the sinks are made by set_requires_gradient_sync(False) (eagerly: a leaf cannot be made while tracing)
+        refuse("has gradient sync off but its parameters changed dtype or device since "
+               "set_requires_gradient_sync(False)",
+               "Call set_requires_gradient_sync(False) again after moving or casting the model.")
     if not o.requires_all_reduce:
         refuse("has set_requires_all_reduce(False)", per_block)
     if o.all_gather_comm is not None or o.reduce_scatter_comm is not None or o.all_reduce_hook is not None:
