@@ -204,8 +204,10 @@ def test_whole_compile_gradient_accumulation(setting: str, micro: int) -> None:
 
 
 def inductor_body() -> dict[str, Any]:
-    return {"eager": train("default", False), "inductor": train("default", True, backend="inductor"),
-            "unsharded": train("unsharded", False), "unsharded_inductor": train("unsharded", True, backend="inductor")}
+    out = {"eager": train("default", False), "inductor": train("default", True, backend="inductor")}
+    if dist.get_rank() == 0:  # the unsharded oracle on one rank: its batches, one compile less (~20 CPU-s cold)
+        out.update(unsharded=train("unsharded", False), unsharded_inductor=train("unsharded", True, backend="inductor"))
+    return out
 
 
 def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
@@ -217,15 +219,15 @@ def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
 @pytest.mark.long
 def test_whole_compile_inductor_numerics() -> None:
     """The default inductor backend on the whole sharded model: one graph, and the losses and parameters within a small
-    multiple of the largest difference torch's inductor makes against eager on the same model unsharded (same batches,
-    same run, both ranks). The loss tolerance is at least one float32 ulp of the loss: a loss rounds a parameter
+    multiple of the largest difference torch's inductor makes against eager on the same model unsharded (rank 0's
+    batches, same run). The loss tolerance is at least one float32 ulp of the loss: a loss rounds a parameter
     difference of ~1e-6 to equal or one ulp apart, on either model (measured, 5 steps: unsharded 1 ulp and 7.8e-6 on
     the parameters; fully_shard whole 1 ulp and 8.7e-7: its graph holds the blocks only, the root runs eagerly)."""
     results = run_distributed(inductor_body, 2, timeout=600)
     for r in results:
         assert r["inductor"]["graphs"] == 1 and r["inductor"]["breaks"] == 0, r["inductor"]
         assert r["eager"]["losses"][0] != r["eager"]["losses"][-1]
-    ref = [max(d) for d in zip(*(_max_diff(r["unsharded_inductor"], r["unsharded"]) for r in results))]
+    ref = list(_max_diff(results[0]["unsharded_inductor"], results[0]["unsharded"]))
     ours = [max(d) for d in zip(*(_max_diff(r["inductor"], r["eager"]) for r in results))]
     print(f"inductor vs eager, max (loss, parameter) difference: unsharded {ref}, fully_shard whole {ours}")
     assert ref[1] > 0, "inductor computed bitwise like eager unsharded: no tolerance to compare with"
