@@ -216,9 +216,9 @@ def render(results: dict[str, Any]) -> list[str]:
 
 def header(results: dict[str, Any]) -> str:
     return (f"`python -m benchmarks.peers` at commit {results['commit']}, torch {results['torch']}, "
-            f"{results['cores']} CPU cores, {results['wall_s']:.0f} s; load average {results['load_before']} before "
-            f"and {results['load_after']} after: the machine was shared with other jobs, so times are noisy and the "
-            f"per-round spread is the measure. {results['note']}").strip()
+            f"{results['cores']} CPU cores, {results['wall_s']:.0f} s; 1-minute load average {results['load_before']} "
+            f"before and {results['load_after']} after (the run's own ranks count too); the per-round spread is the "
+            f"measure of noise. {results['note']}").strip()
 
 
 def main(argv: list[str] | None = None) -> int:
