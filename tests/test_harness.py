@@ -181,8 +181,8 @@ def test_calls_share_init_device_mesh_meshes_until_a_call_makes_another_group() 
 
 def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limit() -> None:
     """Twelve calls that each make a subgroup, a 2-D mesh and k-rank groups (a gloo group: 3 threads): every call
-    starts with as many threads as the first (the previous harness kept them all: 9 more threads a call, 64 passed by
-    the 7th), and the highest count the workers saw stays within THREAD_LIMIT."""
+    from the third starts with as many threads as the third (the previous harness kept them all: 9 more threads a
+    call, 64 passed by the 7th), and the highest count the workers saw stays within THREAD_LIMIT."""
     runs = [run_distributed(_make_every_kind_of_group, 4) for _ in range(12)]
     assert all(run[rank]["sum"] == 4 for run in runs for rank in range(4))
     made = max(run[rank]["made"] for run in runs for rank in range(4))
@@ -190,10 +190,11 @@ def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limi
     skip_without_torch_feature("gloo threads ending with their destroyed groups")
     for rank in range(4):
         starts = [run[rank]["start"] for run in runs]
-        # nothing adds up over calls: from the second call on, every call starts with as many threads (the first call
-        # of a fresh pool starts torch's own pools; torch 2.14.1 also keeps one call's two mesh groups, 6 threads, in
-        # a cache of its own until the next call replaces them)
-        assert starts[1:] == [starts[1]] * 11, (rank, starts)
+        # nothing adds up over calls: from the third call on, every call starts with as many threads (the first call
+        # releases what earlier tests left in the pool, or starts torch's own pools in a fresh one; torch 2.14.1 also
+        # keeps the previous call's mesh groups in a cache of its own until the next call replaces them, so the second
+        # call may start with fewer than the rest: seen under pytest-xdist, [37, 5, 19, 19, ...])
+        assert starts[2:] == [starts[2]] * 10, (rank, starts)
         assert all(run[rank]["made"] > starts[0] for run in runs), rank  # the groups did hold threads while alive
 
 
