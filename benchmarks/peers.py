@@ -28,7 +28,9 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from typing import Any
 
 PARITY_STEPS, BATCH, SEQ = 4, 4, 64
@@ -103,6 +105,23 @@ def _step(model: Any, x: Any, loss_of: Any, backward: Any, update: Any) -> float
     return float(loss.detach())
 
 
+def _agree(impl: str, errors: dict[str, str], rank: int, world: int) -> None:
+    """Every rank learns whether ``impl`` failed on any rank (its build or its parity steps), and with which error.
+
+    A failure on one rank only (seen once: a compiled job's rank left the parity steps while the others waited in a
+    collective) would otherwise leave that rank out of the timed steps the others run, and the job hang. A rank that
+    fails mid-step leaves the others inside that step's collective, which this cannot mend: its traceback is on
+    stderr (``peers_job``)."""
+    import torch.distributed as dist
+
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, errors.get(impl))
+    failed = [(r, e) for r, e in enumerate(found) if e is not None]
+    if failed and impl not in errors:
+        r, e = failed[0]
+        errors[impl] = f"rank {r}: {e}"
+
+
 def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
@@ -118,6 +137,8 @@ def peers_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     from .models import BENCH_SMALL, BENCH_TINY
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world))  # DeepSpeed
+    # an inductor cache per rank: ranks compiling the same graph at once never share (or race on) a cache entry
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"fully_shard_peers_inductor_{rank}")
     args, mp = BENCH_TINY if job["quick"] else BENCH_SMALL, job["mp"]
     torch.manual_seed(0)
     base, mesh = Llama(args), init_device_mesh("cpu", (world,))
@@ -140,6 +161,11 @@ def peers_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                                    "ok": diff <= tol}
         except Exception as exc:  # a peer that does not run here: its error is reported
             out["errors"][impl] = _error(exc)
+            print(f"rank {rank}: {impl} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _agree(impl, out["errors"], rank, world)
+        if impl in out["errors"]:  # on some rank: none times it (a rank left out of the others' steps would hang them)
+            steps.pop(impl, None)
+            out["parity"].pop(impl, None)
     # -- timing (of those with loss parity): rounds of one step each in a rotating order (round 0 a warm-up), the
     # slowest rank per round
     names = [i for i in steps if out["parity"].get(i, {}).get("ok")]

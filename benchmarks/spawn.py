@@ -42,6 +42,10 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
 
     torch.set_num_threads(1)
     try:
+        import fully_shard  # noqa: F401
+        from support.storages import freeze_heap
+
+        freeze_heap()  # the imports' objects out of every later gc.collect() (the storage tracker's)
         if backend == "fake":
             from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -57,6 +57,28 @@ import fully_shard
 
 ACTIVATIONS = ("forward", "backward")
 _CASTS = frozenset({"_cast_inputs", "_cast_output"})  # fully_shard's mixed-precision casts of a module's inputs/outputs
+_FROZEN: list[weakref.ref[torch.Tensor]] = []  # the tensors among the objects freeze_heap() took out of gc's reach
+
+
+def _tensors(objects: list[Any]) -> list[torch.Tensor]:
+    with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        return [obj for obj in objects if isinstance(obj, torch.Tensor)]
+
+
+def freeze_heap() -> None:
+    """``gc.freeze()`` what is alive now, the tensors among it remembered for :class:`StorageTracker`.
+
+    A process that imported torch and fully_shard holds about 285,000 objects that live as long as it does; every full
+    collection walks them all (0.1-0.15 s here), and the tracker collects and scans on each entry. Frozen, they are
+    out of every later collection and out of ``gc.get_objects()``, so the tracker finds the frozen tensors through
+    weak references kept here. Call it once, after the imports and before any process group but the default one
+    exists (a frozen object in a reference cycle is never collected: a mesh frozen so would keep its groups' threads).
+    The test harness's workers and the benchmarks' ranks call it at start-up.
+    """
+    gc.collect()
+    _FROZEN.extend(weakref.ref(t) for t in _tensors(gc.get_objects()))
+    gc.freeze()
 
 
 def _names(f: Any) -> set[str]:
@@ -249,9 +271,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __enter__(self) -> StorageTracker:
         gc.collect()
-        with warnings.catch_warnings():  # isinstance() on deprecated torch objects warns
-            warnings.simplefilter("ignore")
-            tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        tensors = _tensors(gc.get_objects()) + [t for ref in _FROZEN if (t := ref()) is not None]
         for t in tensors:
             for st in _storages(t):
                 self._register(st, "existing")
