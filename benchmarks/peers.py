@@ -37,7 +37,9 @@ PARITY_STEPS, BATCH, SEQ = 4, 4, 64
 RTOL = {"fp32": 1e-4, "bf16": 3e-2, "quant": 3e-2}  # bf16: against the fp32 oracle; quant: int8 collectives
 NAMES = {"fully_shard": "fully_shard", "fully_shard_int8": "fully_shard int8 weights+grads",
          "fully_shard_compiled_blocks": "fully_shard, compiled blocks",
-         "fully_shard_compiled_whole": "fully_shard, torch.compile whole", "zero3": "DeepSpeed ZeRO-3",
+         "fully_shard_compiled_whole": "fully_shard, torch.compile whole",
+         "fully_shard_compiled_whole_bucketed": "fully_shard, torch.compile whole, bucketed",
+         "zero3": "DeepSpeed ZeRO-3",
          "zero3_pp": "DeepSpeed ZeRO++ (qW+qG)", "simple_fsdp": "SimpleFSDP",
          "simple_fsdp_compiled": "SimpleFSDP, torch.compile"}
 IMPLS = tuple(NAMES)
@@ -46,7 +48,12 @@ IMPLS = tuple(NAMES)
 PAIRS = [("fully_shard", "zero3"), ("fully_shard_int8", "zero3_pp"), ("fully_shard", "simple_fsdp"),
          ("fully_shard_compiled_blocks", "simple_fsdp_compiled"),
          ("fully_shard_compiled_whole", "simple_fsdp_compiled"), ("fully_shard_compiled_whole", "fully_shard"),
-         ("fully_shard_compiled_whole", "fully_shard_compiled_blocks")]
+         ("fully_shard_compiled_whole", "fully_shard_compiled_blocks"),
+         ("fully_shard_compiled_whole_bucketed", "simple_fsdp_compiled"),
+         ("fully_shard_compiled_whole_bucketed", "fully_shard"),
+         ("fully_shard_compiled_whole_bucketed", "fully_shard_compiled_whole")]
+# inductor's FX bucketing passes (docs/compile.md): every all-gather of a graph in one, every reduce-scatter in one
+BUCKETED = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
 
 
 def ds_config(mp: str, world: int, quant: bool) -> dict[str, Any]:
@@ -87,8 +94,8 @@ def _build(impl: str, base: Any, mp: str, mesh: Any, world: int) -> Any:
             for block in model.layers:  # as torchtitan compiles: each block, before sharding
                 block.compile()
         shard_model(model, "fully_shard", mesh, True, mp)
-        if impl.endswith("compiled_whole"):  # after sharding: the blocks' collectives in one graph (traced.py)
-            model.compile(fullgraph=True)
+        if "compiled_whole" in impl:  # after sharding: the blocks' collectives in one graph (traced.py)
+            model.compile(fullgraph=True, options=BUCKETED if impl.endswith("bucketed") else None)
         if impl.endswith("int8"):
             from fully_shard.quant import quantize_comms
 

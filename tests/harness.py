@@ -40,9 +40,9 @@ Design:
   :data:`MESH_GROUPS_KEPT` groups stay; a call that made any other group (``new_group``, a flattened or sliced
   mesh's group, k-rank groups) or more meshes than that is cleaned up as above, its shared meshes with it.
 * At start-up a worker imports fully_shard (with it torch's DTensor, dynamo and sympy: about 285,000 objects that live
-  as long as the worker) and ``gc.freeze()``\ s them (``support.storages.freeze_heap``): every later ``gc.collect()``
-  (the storage tracker's on each entry, the clean-up's) walks only what the calls made, which took the planner's
-  measured grid from 10 s to 4 s per rank.
+  as long as the worker) and freezes them (``gc.freeze()``, ``support.storages.freeze_heap``): every later
+  ``gc.collect()`` (the storage tracker's on each entry, the clean-up's) walks only what the calls made, which took the
+  planner's measured grid from 10 s to 4 s per rank.
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
 * The device switch: ``FULLY_SHARD_TEST_DEVICE=cuda`` (any accelerator type torch knows)

@@ -16,12 +16,14 @@ root's group, ignored parameters, and HSDP (4 ranks as 2 replicas of 2 shards). 
 accumulating the same way (default settings, mixed precision, ``reshard_after_forward=False``), two dynamo graphs;
 the parameters cast after ``set_requires_gradient_sync(False)`` raise ``TracedUnsupportedError`` naming the module.
 Inductor (the default backend): losses and parameters within a small multiple of inductor's own difference from eager
-on the same model unsharded.
+on the same model unsharded; with inductor's bucketing passes (and its compute/communication reordering on top), one
+all-gather and one reduce-scatter per graph, bitwise as without them.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from typing import Any
 
@@ -77,14 +79,22 @@ def _collectives(gm: torch.fx.GraphModule) -> Counter[str]:
                    and "wait_tensor" not in str(n.target))
 
 
+def _called_collectives(code: str) -> Counter[str]:
+    """The functional collectives that inductor's generated ``code`` calls (``_c10d_functional.<op>.default(``)."""
+    called = re.findall(r"_c10d_functional\.(\w+?)(?:_out)?\.default\(", code)
+    return Counter(op for op in called if op != "wait_tensor")
+
+
 def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
-          backend: str = "aot_eager") -> dict[str, Any]:
+          backend: str = "aot_eager", options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``STEPS`` steps of ``micro`` micro-batches each (gradient sync off for all but the last, as torch's FSDP2 users
-    accumulate); losses, full parameters, graph and collective counts."""
+    accumulate); losses, full parameters, graph and collective counts (``inductor``: the collectives the generated code
+    calls, forward then backward, and inductor's ``options``)."""
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
     from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     counters.clear()
@@ -101,10 +111,11 @@ def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
     model = build(setting, dist.get_world_size())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run = (model if not compiled else torch.compile(model, backend=recording, fullgraph=True) if backend == "aot_eager"
-           else torch.compile(model, backend=backend, fullgraph=True))
-    losses = []
-    try:
-        for step in range(STEPS):
+           else torch.compile(model, backend=backend, fullgraph=True, options=options))
+    losses: list[float] = []
+
+    def steps(first: int, last: int) -> None:
+        for step in range(first, last):
             for m in range(micro):
                 if micro > 1 and accumulate:
                     model.set_requires_gradient_sync(m == micro - 1)  # type: ignore[operator]
@@ -114,6 +125,14 @@ def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
                 losses.append(loss.item())
             opt.step()
             opt.zero_grad()
+
+    try:
+        if compiled and backend == "inductor":  # the first step compiles: its generated code (forward, backward)
+            for code in run_and_get_code(steps, 0, 1)[1]:
+                graphs["code"] = [*graphs.get("code", []), _called_collectives(code)]
+            steps(1, STEPS)
+        else:
+            steps(0, STEPS)
     finally:
         torch._dynamo.reset()
     params = {n.replace(_PREFIX, ""): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
@@ -234,6 +253,34 @@ def test_whole_compile_inductor_numerics() -> None:
     ulp = max(torch.finfo(torch.float32).eps * 2 ** math.frexp(x)[1] / 2 for r in results for x in r["eager"]["losses"])
     assert ours[0] <= 4 * max(ref[0], ulp), (ours, ref, ulp)
     assert ours[1] <= 4 * ref[1], (ours, ref)
+
+
+BUCKETED = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
+REORDERED = {**BUCKETED, "reorder_for_compute_comm_overlap": True}
+
+
+def passes_body() -> dict[str, Any]:
+    return {name: train("default", True, backend="inductor", options=options)
+            for name, options in (("plain", None), ("bucketed", BUCKETED), ("reordered", REORDERED))}
+
+
+@pytest.mark.long
+def test_whole_compile_inductor_bucketing_and_reordering() -> None:
+    """Inductor's FX passes on the traced path's collectives (docs/compile.md): ``bucket_all_gathers_fx="all"`` makes
+    the blocks' all-gathers one per graph (forward, and backward's re-gather), ``bucket_reduce_scatters_fx="all"`` their
+    reduce-scatters one; ``reorder_for_compute_comm_overlap`` on top changes no count. Each computes bitwise as
+    without the passes (the same sums, concatenated), on one graph."""
+    for r in run_distributed(passes_body, 2, timeout=600):
+        per_block = Counter(all_gather_into_tensor=2)  # forward, then backward: re-gather and reduce-scatter
+        assert r["plain"]["collectives"]["code"] == [per_block, per_block + Counter(reduce_scatter_tensor=2)]
+        one = Counter(all_gather_into_tensor=1)
+        for name in ("bucketed", "reordered"):
+            run = r[name]
+            assert run["graphs"] == 1 and run["breaks"] == 0, (name, run["graphs"], run["breaks"])
+            assert run["collectives"]["code"] == [one, one + Counter(reduce_scatter_tensor=1)], name
+            assert run["losses"] == r["plain"]["losses"], (name, run["losses"], r["plain"]["losses"])
+            for n, p in run["params"].items():
+                torch.testing.assert_close(p, r["plain"]["params"][n], rtol=0, atol=0, msg=lambda m: f"{name} {n}: {m}")
 
 
 def _refused_body() -> str:
