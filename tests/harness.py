@@ -16,9 +16,12 @@ Usage from a test module::
 
 Design:
 
-* One pool of worker processes per world size, started with the ``spawn``
-  start method and kept alive (module-level cache) so the ~2-3 s cost of
-  ``import torch`` plus process-group set-up is paid once per world size.
+* One pool of worker processes per world size, kept alive (module-level cache) and forked from a fork server
+  (``multiprocessing``'s ``forkserver`` start method; ``spawn`` where the platform has none) that imported torch
+  and fully_shard once (:func:`preload`, through ``tests._forkserver_preload``): a pool starts in a fraction of a
+  second instead of each rank paying ~2.4 CPU-s of imports, which matters because a failed call, or a worker left
+  holding threads, replaces its pool (the suite starts a few dozen). A worker takes the parent's environment as it
+  is when the pool starts, as a spawned one would.
 * Each worker initialises the default process group once (gloo, through a TCPStore
   that the parent hosts on 127.0.0.1, as torchrun does) and then serves calls over a
   ``multiprocessing`` Pipe.  Before every call the worker runs
@@ -39,10 +42,10 @@ Design:
   meshes (recomputing them after every call was a fifth of the workers' time). At most
   :data:`MESH_GROUPS_KEPT` groups stay; a call that made any other group (``new_group``, a flattened or sliced
   mesh's group, k-rank groups) or more meshes than that is cleaned up as above, its shared meshes with it.
-* At start-up a worker imports fully_shard (with it torch's DTensor, dynamo and sympy: about 285,000 objects that live
-  as long as the worker) and freezes them (``gc.freeze()``, ``support.storages.freeze_heap``): every later
-  ``gc.collect()`` (the storage tracker's on each entry, the clean-up's) walks only what the calls made, which took the
-  planner's measured grid from 10 s to 4 s per rank.
+* The preload freezes what it imported (torch's DTensor, dynamo and sympy with fully_shard: about 285,000 objects
+  that live as long as the worker; ``gc.freeze()``, ``support.storages.freeze_heap``): every later ``gc.collect()``
+  (the storage tracker's on each entry, the clean-up's) walks only what the calls made, which took the planner's
+  measured grid from 10 s to 4 s per rank.
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
 * The device switch: ``FULLY_SHARD_TEST_DEVICE=cuda`` (any accelerator type torch knows)
@@ -66,7 +69,7 @@ Design:
   poisoning later tests with mismatched collectives.
 
 This module only imports the standard library at import time; torch is
-imported inside the workers after thread-count environment variables are set.
+imported by the fork server (or a spawned worker) after thread-count environment variables are set.
 """
 
 from __future__ import annotations
@@ -297,6 +300,11 @@ def _reset_distributed_state(store: Any, state: dict[str, int], rank: int, world
         _init_default_group(store, state["generation"], rank, world_size)
         return
     c10d._world.pg_coalesce_state.clear()
+    _drop_mesh_stack()
+
+
+def _drop_mesh_stack() -> None:
+    """Empty DeviceMesh's context stack (``with mesh:``), which a test may leave holding meshes."""
     try:
         from torch.distributed.device_mesh import _mesh_resources
 
@@ -367,6 +375,7 @@ def _release_groups() -> None:
         _clear_dtensor_caches()
         return
     default = c10d._get_default_group()
+    _drop_mesh_stack()  # a mesh entered with ``with mesh:`` and never left holds its groups
     made = [pg for pg in c10d._world.pg_names if pg is not default]
     mesh_module = sys.modules.get("fully_shard.mesh")
     if mesh_module is not None:
@@ -390,6 +399,8 @@ def _share_meshes() -> None:
     import torch.distributed.device_mesh as device_mesh
 
     make = device_mesh.init_device_mesh
+    if getattr(make, "_shared_by_harness", False):
+        return
 
     @functools.wraps(make)
     def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *, mesh_dim_names: Any = None,
@@ -401,6 +412,7 @@ def _share_meshes() -> None:
             mesh = _MESHES[key] = make(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
         return mesh
 
+    init_device_mesh._shared_by_harness = True  # type: ignore[attr-defined]
     device_mesh.init_device_mesh = init_device_mesh  # before any test module (or fully_shard) imports it
     if getattr(dist, "init_device_mesh", None) is make:
         dist.init_device_mesh = init_device_mesh
@@ -469,8 +481,31 @@ def _dumps_result(result: Any) -> bytes:
     return buf.getvalue()
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+def preload() -> None:
+    """What every worker imports before its first call, done once: in the fork server (``tests._forkserver_preload``),
+    whose children inherit it, or in a spawned worker itself. ``init_device_mesh`` shared first (fully_shard binds the
+    name at import), then torch and fully_shard, whose objects are frozen out of every later ``gc.collect()``."""
+    global _PRELOADED
+    if _PRELOADED:
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    _share_meshes()
+    import fully_shard  # noqa: F401
+    from support.storages import freeze_heap
+
+    freeze_heap()
+    _PRELOADED = True
+
+
+_PRELOADED = False
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection,
+                 env: dict[str, str]) -> None:
     die_with_parent()
+    os.environ.clear()  # the parent's environment now, not the fork server's when it started
+    os.environ.update(env)
     os.environ["FULLY_SHARD_TEST_WORKER"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -480,6 +515,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     try:
+        preload()
         import torch
         import torch.distributed as dist
 
@@ -503,13 +539,6 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         conn.send((_MSG_ERR, "worker start-up failed:\n" + traceback.format_exc()))
         _flush_std_streams()
         os._exit(1)  # as below: no finalization while a half-made process group may hold threads
-    _share_meshes()
-    # most of a worker's heap (torch, fully_shard) lives as long as it does: out of every later gc.collect()'s walk
-    # (the storage tracker's, _release_groups'), after _share_meshes() so that fully_shard imports the shared version
-    import fully_shard  # noqa: F401
-    from support.storages import freeze_heap
-
-    freeze_heap()
     watch = _ThreadWatch()
     left = _thread_count()  # the threads a worker holds between calls (after the previous call's clean-up)
     conn.send((_MSG_READY, os.getpid()))
@@ -563,6 +592,17 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
 # --------------------------------------------------------------------------
 
 
+def _context() -> Any:
+    """The start method of the workers: a fork server where the platform has one, which imports torch and fully_shard
+    once (:func:`preload`) and forks each worker from that (a 4-rank pool started in ~2.4 CPU-s per rank under spawn,
+    each rank importing both again; the suite starts a few dozen pools); spawn elsewhere."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests._forkserver_preload"])
+    return ctx
+
+
 class _Pool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -584,13 +624,13 @@ class _Pool:
                 break  # only a port race is worth retrying
         raise RuntimeError(
             f"tests.harness: could not start a pool of {self.world_size} worker(s) "
-            f"(spawn start method, device {device_type()}); last error:\n{last_error}"
+            f"({_context().get_start_method()} start method, device {device_type()}); last error:\n{last_error}"
         )
 
     def _try_start(self) -> str | None:
         import torch.distributed as dist
 
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
         # port 0: the server takes a free port itself; it lives as long as the pool
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_PG_TIMEOUT)
         port = self.store.port
@@ -599,7 +639,7 @@ class _Pool:
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, child_conn),
+                args=(rank, self.world_size, port, child_conn, dict(os.environ)),
                 name=f"fully_shard-test-rank{rank}-of-{self.world_size}",
                 daemon=False,
             )
@@ -623,8 +663,8 @@ class _Pool:
                 except (EOFError, OSError):
                     errors.append(
                         f"rank {rank}: worker died during start-up ({self._exit_desc(rank)}); its "
-                        "traceback is on stderr. The spawned worker re-imports the parent's "
-                        "__main__ module: a script must guard its code with "
+                        "traceback is on stderr. A worker (or the fork server it comes from) re-imports the "
+                        "parent's __main__ module: a script must guard its code with "
                         "`if __name__ == '__main__':`."
                     )
                     continue
