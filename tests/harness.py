@@ -17,11 +17,11 @@ Usage from a test module::
 Design:
 
 * One pool of worker processes per world size, kept alive (module-level cache) and forked from a fork server
-  (``multiprocessing``'s ``forkserver`` start method; ``spawn`` where the platform has none) that imported torch
-  and fully_shard once (:func:`preload`, through ``tests._forkserver_preload``): a pool starts in a fraction of a
-  second instead of each rank paying ~2.4 CPU-s of imports, which matters because a failed call, or a worker left
-  holding threads, replaces its pool (the suite starts a few dozen). A worker takes the parent's environment as it
-  is when the pool starts, as a spawned one would.
+  (``multiprocessing``'s ``forkserver`` start method; ``spawn`` where the platform has none, and under the device
+  switch below) that imported torch and fully_shard once (:func:`preload`, through ``tests._forkserver_preload``):
+  a pool starts in a fraction of a second instead of each rank paying ~2.4 CPU-s of imports, which matters because a
+  failed call, or a worker left holding threads, replaces its pool (the suite starts a few dozen). A worker takes the
+  parent's environment as it is when the pool starts, as a spawned one would.
 * Each worker initialises the default process group once (gloo, through a TCPStore
   that the parent hosts on 127.0.0.1, as torchrun does) and then serves calls over a
   ``multiprocessing`` Pipe.  Before every call the worker runs
@@ -595,8 +595,10 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
 def _context() -> Any:
     """The start method of the workers: a fork server where the platform has one, which imports torch and fully_shard
     once (:func:`preload`) and forks each worker from that (a 4-rank pool started in ~2.4 CPU-s per rank under spawn,
-    each rank importing both again; the suite starts a few dozen pools); spawn elsewhere."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    each rank importing both again; the suite starts a few dozen pools); spawn elsewhere, and under the device switch:
+    a process that asked CUDA anything (``is_available()`` initialises the driver) cannot pass it on to a fork, and
+    the workers there are one per GPU, started rarely."""
+    if on_accelerator() or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests._forkserver_preload"])
