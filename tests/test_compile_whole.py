@@ -13,7 +13,7 @@ The grid: default settings, ``reshard_after_forward`` False and an int, mixed pr
 reduction), activation checkpointing (torchtitan's ``checkpoint_wrapper`` around each block), weights tied within the
 root's group, ignored parameters, and HSDP (4 ranks as 2 replicas of 2 shards). Gradient accumulation with
 ``set_requires_gradient_sync(False)`` for the micro-batches before the last: bitwise against eager fully_shard
-accumulating the same way (default settings, mixed precision, ``reshard_after_forward=False``), two dynamo graphs;
+accumulating the same way (default settings, mixed precision, ``reshard_after_forward=False``, HSDP), two dynamo graphs;
 the parameters cast after ``set_requires_gradient_sync(False)`` raise ``TracedUnsupportedError`` naming the module.
 Inductor (the default backend): losses and parameters within a small multiple of inductor's own difference from eager
 on the same model unsharded; with inductor's bucketing passes (and its compute/communication reordering on top), one
@@ -196,12 +196,14 @@ def accumulate_body(setting: str, micro: int) -> dict[str, Any]:
 
 
 @pytest.mark.long
-@pytest.mark.parametrize(("setting", "micro"), [("default", 3), ("mp", 2), ("reshard-false", 2)])
-def test_whole_compile_gradient_accumulation(setting: str, micro: int) -> None:
+@pytest.mark.parametrize(("setting", "micro", "world"),
+                         [("default", 3, 2), ("mp", 2, 2), ("reshard-false", 2, 2), ("hsdp", 2, 4)])
+def test_whole_compile_gradient_accumulation(setting: str, micro: int, world: int) -> None:
     """``set_requires_gradient_sync(False)`` for all micro-batches of a step but the last: the compiled step keeps the
-    blocks' full gradients (no reduce-scatter) and the last micro-batch reduce-scatters them with its own, bitwise as
-    eager fully_shard. Two dynamo graphs: sync off, and sync on with gradients held."""
-    for r in run_distributed(accumulate_body, 2, setting, micro, timeout=600):
+    blocks' full gradients (no reduce-scatter) and the last micro-batch reduce-scatters them with its own (HSDP: and
+    all-reduces across the replicas), bitwise as eager fully_shard. Two dynamo graphs: sync off, and sync on with
+    gradients held."""
+    for r in run_distributed(accumulate_body, world, setting, micro, timeout=600):
         eager, compiled = r["eager"], r["compiled"]
         assert len(eager["losses"]) == STEPS * micro and eager["losses"][0] != eager["losses"][-1]
         assert compiled["graphs"] == 2 and compiled["breaks"] == 0, (compiled["graphs"], compiled["breaks"])
@@ -215,7 +217,7 @@ def test_whole_compile_gradient_accumulation(setting: str, micro: int) -> None:
         assert forwards == [Counter(all_gather_into_tensor=2)] * 2, forwards
         regather = Counter(all_gather_into_tensor=0 if setting == "reshard-false" else 2)
         assert off == +regather, off
-        assert on == regather + Counter(reduce_scatter_tensor=2), on
+        assert on == regather + Counter(reduce_scatter_tensor=2, all_reduce=2 * (setting == "hsdp")), on
         # and accumulating differs from reducing each micro-batch, so the test can tell them apart (fp32 only: with
         # bf16 gradients both sum in fp32 exactly here)
         synced = r["synced"]["params"].values() if r["synced"] is not None else None
