@@ -27,6 +27,7 @@ not tracing; the eager hooks never run while tracing. What the traced path canno
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, cast
 
 import torch
@@ -222,7 +223,9 @@ def make_sinks(group: ParamGroup) -> None:
         if _sink_fits(p):
             continue
         sink = torch.empty((), dtype=p.reduce_dtype, device=p.device).expand(p.size).detach().requires_grad_()
-        sink.register_post_accumulate_grad_hook(functools.partial(_accumulate, p.tie))
+        # the hook refers to the tie weakly: the tie holds the sink, whose hooks autograd keeps where the collector
+        # cannot see them, so a strong reference would keep the whole model alive after its last use
+        sink.register_post_accumulate_grad_hook(functools.partial(_accumulate, weakref.ref(p.tie)))
         p.tie.sink = sink
 
 
@@ -231,9 +234,9 @@ def _sink_fits(p: ShardedParam) -> bool:
     return sink is not None and sink.dtype == p.reduce_dtype and sink.device == p.device and sink.shape == p.size
 
 
-def _accumulate(tie: Tie, sink: torch.Tensor) -> None:
-    grad, sink.grad = sink.grad, None
-    if grad is not None:
+def _accumulate(tie_ref: weakref.ref[Tie], sink: torch.Tensor) -> None:
+    grad, sink.grad, tie = sink.grad, None, tie_ref()
+    if grad is not None and tie is not None:
         tie.grad = grad if tie.grad is None else tie.grad.add_(grad)
 
 

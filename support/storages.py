@@ -66,6 +66,13 @@ def _tensors(objects: list[Any]) -> list[torch.Tensor]:
         return [obj for obj in objects if isinstance(obj, torch.Tensor)]
 
 
+def live_storages() -> list[torch.UntypedStorage]:
+    """The storages of every tensor alive now (after a collection), the frozen ones (:func:`freeze_heap`) too."""
+    gc.collect()
+    tensors = _tensors(gc.get_objects()) + [t for ref in _FROZEN if (t := ref()) is not None]
+    return [st for t in tensors for st in _storages(t)]
+
+
 def freeze_heap() -> None:
     """``gc.freeze()`` what is alive now, the tensors among it remembered for :class:`StorageTracker`.
 
@@ -120,8 +127,12 @@ class StorageTracker(TorchDispatchMode):
         mem.report()["model_state"]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, leftovers: list[torch.UntypedStorage] | None = None) -> None:
+        """``leftovers``: storages that are not the measured job's (what earlier work in the process left alive, from
+        :func:`live_storages` taken before the job began): not registered as ``existing``, so not in any peak."""
         super().__init__()
+        self._leftovers = list(leftovers or [])  # held, so that no new storage takes one's address while active
+        self._skip = {st._cdata for st in self._leftovers}
         self._package = os.path.dirname(os.path.abspath(fully_shard.__file__)) + os.sep
         self._refs: dict[int, tuple[int, weakref.ref[Any]]] = {}  # StorageImpl address -> (uid, ref)
         self._size: dict[int, int] = {}  # uid -> bytes now (uids are never reused; addresses are)
@@ -270,12 +281,9 @@ class StorageTracker(TorchDispatchMode):
     # -- the mode ------------------------------------------------------------------------------
 
     def __enter__(self) -> StorageTracker:
-        gc.collect()
-        tensors = _tensors(gc.get_objects()) + [t for ref in _FROZEN if (t := ref()) is not None]
-        for t in tensors:
-            for st in _storages(t):
+        for st in live_storages():
+            if st._cdata not in self._skip:
                 self._register(st, "existing")
-        del tensors
         orig = torch.UntypedStorage.resize_
         self._orig_resize = orig
         tracker = self

@@ -285,6 +285,35 @@ def test_whole_compile_inductor_bucketing_and_reordering() -> None:
                 torch.testing.assert_close(p, r["plain"]["params"][n], rtol=0, atol=0, msg=lambda m: f"{name} {n}: {m}")
 
 
+_TRAINED: list[Any] = []  # weak references to the models _train_with_sync_off trained, in this worker
+
+
+def _train_with_sync_off() -> None:
+    import weakref
+
+    model = build("default", dist.get_world_size())
+    for sync in (False, True):  # one micro-batch with gradient sync off (the sinks are made), then the last
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        x = batch(0, dist.get_rank(), ARGS)
+        loss_fn(model(x), x).backward()
+    _TRAINED.append(weakref.ref(model))
+
+
+def _trained_alive() -> list[bool]:
+    import gc
+
+    gc.collect()
+    return [ref() is not None for ref in _TRAINED]
+
+
+def test_model_with_gradient_sync_turned_off_is_freed() -> None:
+    """The sinks ``set_requires_gradient_sync(False)`` makes do not keep the model alive after the call that used it
+    (each sink's hook once held its tie, which holds the sink: a cycle through autograd that the collector cannot see,
+    which kept every such model, and in a test worker made later memory measurements count it)."""
+    run_distributed(_train_with_sync_off, 2)
+    assert run_distributed(_trained_alive, 2) == [[False], [False]]
+
+
 def _refused_body() -> str:
     import torch._dynamo
 

@@ -40,10 +40,13 @@ def _measure_body(settings: list[Setting]) -> list[int]:
     """Each setting applied to the model, a training step, then the peak of the next step (parameters, gradients,
     optimizer state, buffers in flight: the storage tracker's ``model_state``), less the two storages from before the
     step that are no model state: the batch (the plan counts no inputs) and the mesh's table of ranks."""
-    from support.storages import StorageTracker
+    from support.storages import StorageTracker, live_storages
 
     out = []
     mesh = init_device_mesh(device_type(), (dist.get_world_size(),))  # one: a mesh's table of ranks outlives it
+    # what earlier calls in this worker left alive is not this step's memory (the mesh's table is subtracted below)
+    table = mesh.mesh.untyped_storage()._cdata
+    leftovers = [st for st in live_storages() if st._cdata != table]
     for setting in settings:
         model = build()
         setting.shard(model, mesh)
@@ -52,7 +55,7 @@ def _measure_body(settings: list[Setting]) -> list[int]:
         outside = StorageTracker.bytes_of([tokens, mesh.mesh])
         peaks = []
         for i in range(3):  # the first builds the optimizer state; the lower of two later ones (gloo frees late)
-            with StorageTracker() as mem:  # the phases tell activations (not model state) from what the plan counts
+            with StorageTracker(leftovers) as mem:  # the phases tell activations (not model state) from the rest
                 mem.phase("forward")
                 loss = loss_fn(model(tokens), tokens)
                 mem.phase("backward")

@@ -157,7 +157,9 @@ def _measure_grid_body(configs: list[str]) -> dict[str, Any]:
 def _measure(config: str) -> dict[str, Any]:
     """A training step of ``config`` (the second and the third) under the storage tracker: the report of the lower."""
     from support.storages import StorageTracker as LiveStorages
+    from support.storages import live_storages
 
+    leftovers = live_storages()  # what earlier calls in this worker left alive is not this step's memory
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _model(config)
     _shard_config(config, model, init_device_mesh(device_type(), _GRID[config].mesh(world)))
@@ -179,7 +181,7 @@ def _measure(config: str) -> dict[str, Any]:
     step()  # optimizer state, unsharded buffers and the prefetch order exist from now on
     reports = []
     for _ in range(2):  # gloo's worker thread may drop a finished collective's buffers a moment late: the lower
-        with LiveStorages() as mem:
+        with LiveStorages(leftovers) as mem:
             step(mem)
         reports.append(mem.report())
     return min(reports, key=lambda r: r["model_state"])
