@@ -39,7 +39,7 @@ NAMES = {"fully_shard": "fully_shard", "fully_shard_int8": "fully_shard int8 wei
          "fully_shard_compiled_blocks": "fully_shard, compiled blocks",
          "fully_shard_compiled_whole": "fully_shard, torch.compile whole",
          "fully_shard_compiled_whole_bucketed": "fully_shard, torch.compile whole, bucketed",
-         "fully_shard_compiled_whole_reordered": "fully_shard, torch.compile whole, bucketed + reordered",
+         "fully_shard_compiled_whole_reordered": "fully_shard, torch.compile whole, overlap passes",
          "zero3": "DeepSpeed ZeRO-3",
          "zero3_pp": "DeepSpeed ZeRO++ (qW+qG)", "simple_fsdp": "SimpleFSDP",
          "simple_fsdp_compiled": "SimpleFSDP, torch.compile"}
@@ -53,11 +53,12 @@ PAIRS = [("fully_shard", "zero3"), ("fully_shard_int8", "zero3_pp"), ("fully_sha
          ("fully_shard_compiled_whole_bucketed", "simple_fsdp_compiled"),
          ("fully_shard_compiled_whole_bucketed", "fully_shard"),
          ("fully_shard_compiled_whole_bucketed", "fully_shard_compiled_whole"),
+         ("fully_shard_compiled_whole_reordered", "simple_fsdp_compiled"),
          ("fully_shard_compiled_whole_reordered", "fully_shard"),
-         ("fully_shard_compiled_whole_reordered", "fully_shard_compiled_whole_bucketed")]
-# inductor's FX bucketing passes (docs/compile.md): every all-gather of a graph in one, every reduce-scatter in one
-BUCKETED = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
-PASSES = {"bucketed": BUCKETED, "reordered": {**BUCKETED, "reorder_for_compute_comm_overlap": True}}
+         ("fully_shard_compiled_whole_reordered", "fully_shard_compiled_whole")]
+# inductor's passes (fully_shard.compile_options, docs/compile.md): bucketed, every all-gather of a graph in one and
+# every reduce-scatter in one; reordered, its scheduler's overlap passes (skipped under deterministic algorithms)
+PASSES = {"bucketed": {"bucket": True, "overlap": False}, "reordered": {"bucket": False, "overlap": True}}
 
 
 def ds_config(mp: str, world: int, quant: bool) -> dict[str, Any]:
@@ -99,7 +100,10 @@ def _build(impl: str, base: Any, mp: str, mesh: Any, world: int) -> Any:
                 block.compile()
         shard_model(model, "fully_shard", mesh, True, mp)
         if "compiled_whole" in impl:  # after sharding: the blocks' collectives in one graph (traced.py)
-            model.compile(fullgraph=True, options=PASSES.get(impl.rsplit("_", 1)[-1]))
+            from fully_shard import compile_options
+
+            passes = PASSES.get(impl.rsplit("_", 1)[-1])
+            model.compile(fullgraph=True, options=compile_options(**passes) if passes else None)
         if impl.endswith("int8"):
             from fully_shard.quant import quantize_comms
 

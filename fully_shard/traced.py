@@ -201,6 +201,32 @@ def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
+def compile_options(bucket: bool = False, overlap: bool = True) -> dict[str, Any]:
+    """Inductor's ``options`` for ``torch.compile`` of a whole model sharded with ``fully_shard``, whose collectives the
+    graph holds (docs/compile.md). ``overlap``: its scheduler's overlap passes, which issue each all-gather early and
+    wait for it and for each reduce-scatter late, so the collectives run under compute (within the graph's peak
+    memory); inductor skips them while ``torch.use_deterministic_algorithms(True)`` is on. ``bucket``: its FX passes
+    that make a graph's all-gathers one collective, and its reduce-scatters one (fewer collectives, every block's
+    parameters unsharded at once).
+
+    Example::
+
+        >>> options = compile_options()  # model.compile(fullgraph=True, options=options)
+        >>> options["reorder_for_compute_comm_overlap_passes"][1]
+        'sink_waits_iterative'
+        >>> sorted(compile_options(bucket=True, overlap=False))
+        ['bucket_all_gathers_fx', 'bucket_reduce_scatters_fx']
+    """
+    options: dict[str, Any] = {}
+    if bucket:
+        options.update(bucket_all_gathers_fx="all", bucket_reduce_scatters_fx="all")
+    if overlap:  # the passes inductor's config.py recommends; with the flag alone (no passes) it reorders nothing
+        early = "reorder_communication_preserving_peak_memory"
+        options.update(reorder_for_compute_comm_overlap=True,
+                       reorder_for_compute_comm_overlap_passes=[early, "sink_waits_iterative", early])
+    return options
+
+
 def register(pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
     """Point every module that uses a parameter at its tensor in ``pairs`` (gathered, or the sharded one back)."""
     for p, tensor in pairs:

@@ -16,8 +16,8 @@ root's group, ignored parameters, and HSDP (4 ranks as 2 replicas of 2 shards). 
 accumulating the same way (default settings, mixed precision, ``reshard_after_forward=False``, HSDP), two dynamo graphs;
 the parameters cast after ``set_requires_gradient_sync(False)`` raise ``TracedUnsupportedError`` naming the module.
 Inductor (the default backend): losses and parameters within a small multiple of inductor's own difference from eager
-on the same model unsharded; with inductor's bucketing passes (and its compute/communication reordering on top), one
-all-gather and one reduce-scatter per graph, bitwise as without them.
+on the same model unsharded; with inductor's bucketing passes one all-gather and one reduce-scatter per graph, with its
+overlap passes every collective's wait after compute kernels, bitwise as without them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from fully_shard import compile_options
 from tests.harness import device_type, run_distributed
 from tests.models import ModelArgs, Transformer, batch, loss_fn
 
@@ -85,6 +86,25 @@ def _called_collectives(code: str) -> Counter[str]:
     return Counter(op for op in called if op != "wait_tensor")
 
 
+def _overlaps(code: str) -> list[int]:
+    """For each collective that inductor's generated ``code`` issues, in order: how many compute kernels run between its
+    issue and its wait (0: waited on at once; more: overlapped with them)."""
+    body = code[code.index("def call("):].splitlines()
+    out = []
+    for i, line in enumerate(body):
+        issue = r"(?:(\w+) = )?torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\(.*?(?:out=(\w+))?\)$"
+        issued = re.search(issue, line.strip())
+        if issued is None:
+            continue
+        name, kernels = issued.group(1) or issued.group(2), 0
+        for later in body[i + 1:]:
+            if f"_c10d_functional.wait_tensor.default({name})" in later:
+                break
+            kernels += re.match(r"\s*(cpp_fused_\w+|extern_kernels\.\w+)\(", later) is not None
+        out.append(kernels)
+    return out
+
+
 def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
           backend: str = "aot_eager", options: dict[str, Any] | None = None) -> dict[str, Any]:
     """``STEPS`` steps of ``micro`` micro-batches each (gradient sync off for all but the last, as torch's FSDP2 users
@@ -130,6 +150,7 @@ def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
         if compiled and backend == "inductor":  # the first step compiles: its generated code (forward, backward)
             for code in run_and_get_code(steps, 0, 1)[1]:
                 graphs["code"] = [*graphs.get("code", []), _called_collectives(code)]
+                graphs["overlap"] = [*graphs.get("overlap", []), _overlaps(code)]
             steps(1, STEPS)
         else:
             steps(0, STEPS)
@@ -257,29 +278,45 @@ def test_whole_compile_inductor_numerics() -> None:
     assert ours[1] <= 4 * ref[1], (ours, ref)
 
 
-BUCKETED = {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
-REORDERED = {**BUCKETED, "reorder_for_compute_comm_overlap": True}
-
-
 def passes_body() -> dict[str, Any]:
-    return {name: train("default", True, backend="inductor", options=options)
-            for name, options in (("plain", None), ("bucketed", BUCKETED), ("reordered", REORDERED))}
+    out = {name: train("default", True, backend="inductor", options=options)
+           for name, options in (("plain", None), ("bucketed", compile_options(bucket=True, overlap=False)))}
+    # torch.use_deterministic_algorithms(True) (the harness's) sets inductor's config.deterministic, under which its
+    # scheduler skips the reordering passes (docs/compile.md); they reorder only where it is off
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        for name, options in (("reordered", compile_options()), ("bucketed+reordered", compile_options(bucket=True))):
+            out[name] = train("default", True, backend="inductor", options=options)
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    return out
 
 
 @pytest.mark.long
 def test_whole_compile_inductor_bucketing_and_reordering() -> None:
-    """Inductor's FX passes on the traced path's collectives (docs/compile.md): ``bucket_all_gathers_fx="all"`` makes
-    the blocks' all-gathers one per graph (forward, and backward's re-gather), ``bucket_reduce_scatters_fx="all"`` their
-    reduce-scatters one; ``reorder_for_compute_comm_overlap`` on top changes no count. Each computes bitwise as
-    without the passes (the same sums, concatenated), on one graph."""
+    """Inductor's passes on the traced path's collectives (docs/compile.md). Bucketing: ``bucket_all_gathers_fx="all"``
+    makes the blocks' all-gathers one per graph (forward, and backward's re-gather), ``bucket_reduce_scatters_fx="all"``
+    their reduce-scatters one. Reordering (its scheduler's overlap passes): every collective that was waited on as
+    soon as issued has compute kernels between its issue and its wait; the counts stay. Each computes bitwise as
+    without the passes (the same kernels and sums, in another order or concatenated), on one graph."""
     for r in run_distributed(passes_body, 2, timeout=600):
+        plain = r["plain"]["collectives"]
         per_block = Counter(all_gather_into_tensor=2)  # forward, then backward: re-gather and reduce-scatter
-        assert r["plain"]["collectives"]["code"] == [per_block, per_block + Counter(reduce_scatter_tensor=2)]
+        assert plain["code"] == [per_block, per_block + Counter(reduce_scatter_tensor=2)]
+        assert plain["overlap"] == [[0, 0], [0, 0, 0, 0]], plain["overlap"]  # each waited on at once
         one = Counter(all_gather_into_tensor=1)
-        for name in ("bucketed", "reordered"):
+        bucketed = [one, one + Counter(reduce_scatter_tensor=1)]
+        for name, counts in (("bucketed", bucketed), ("reordered", plain["code"]), ("bucketed+reordered", bucketed)):
             run = r[name]
             assert run["graphs"] == 1 and run["breaks"] == 0, (name, run["graphs"], run["breaks"])
-            assert run["collectives"]["code"] == [one, one + Counter(reduce_scatter_tensor=1)], name
+            assert run["collectives"]["code"] == counts, (name, run["collectives"]["code"])
+            overlap = run["collectives"]["overlap"]
+            assert [len(o) for o in overlap] == [sum(c.values()) for c in counts], (name, overlap)
+            if name.endswith("reordered"):
+                assert all(k > 0 for o in overlap for k in o), (name, overlap)
+            else:
+                assert all(k == 0 for o in overlap for k in o), (name, overlap)
             assert run["losses"] == r["plain"]["losses"], (name, run["losses"], r["plain"]["losses"])
             for n, p in run["params"].items():
                 torch.testing.assert_close(p, r["plain"]["params"][n], rtol=0, atol=0, msg=lambda m: f"{name} {n}: {m}")
