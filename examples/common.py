@@ -199,18 +199,19 @@ def train_tokenizer(text: str, vocab_size: int) -> Any:
 
 def tokenize(text: str, kind: str, vocab_size: int) -> tuple[torch.Tensor, int]:
     """``text`` as int64 tokens and the vocabulary size: ``kind`` "bpe", a tokenizer that
-    rank 0 trains (:func:`train_tokenizer`) and sends to the other ranks, so every rank
-    encodes with the same merges; or "bytes" (vocabulary 256). Call on every rank."""
+    rank 0 trains (:func:`train_tokenizer`) and encodes the text with, then sends the
+    tokens to the other ranks (one encoding, not one per rank); or "bytes" (vocabulary
+    256). Call on every rank."""
     import torch
     import torch.distributed as dist
 
     if kind == "bytes":
         return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).long(), 256
-    box = [train_tokenizer(text, vocab_size).to_str() if dist.get_rank() == 0 else None]
+    box = [None]
+    if dist.get_rank() == 0:
+        box = [torch.tensor(train_tokenizer(text, vocab_size).encode(text).ids, dtype=torch.long)]
     dist.broadcast_object_list(box, src=0)
-    from tokenizers import Tokenizer
-
-    return torch.tensor(Tokenizer.from_str(box[0]).encode(text).ids, dtype=torch.long), vocab_size
+    return box[0], vocab_size
 
 
 class WindowDataset:
