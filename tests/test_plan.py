@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy
+from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from fully_shard.tools.planner import plan
 from fully_shard.tools.planner.cli import main as cli_main
 from tests.harness import device_type, run_distributed
@@ -385,6 +385,13 @@ def test_plan_accepts_models_and_checks_arguments() -> None:
         plan(_small, 2, shard_fn=lambda m, mesh: None, wrap={FeedForward})
     with pytest.raises(ValueError, match="must call fully_shard on the model"):
         plan(_small, 2, shard_fn=lambda m, mesh: None)
+
+    def compiled_whole(model: nn.Module, mesh: Any) -> None:  # the whole-step compile (docs/compile.md)
+        fully_shard(model, mesh=mesh)
+        model.compile(fullgraph=True)
+
+    with pytest.raises(ValueError, match=r"shard_fn compiles the whole model \(model.compile\(\) after fully_shard\)"):
+        plan(_small, 2, shard_fn=compiled_whole)
     # reshard_after_forward=k: one set of k-rank groups for all 4 calls (3 blocks and the root), as fully_shard makes
     assert "one set of 2-rank process groups (4 in all, this rank in 1), shared by the 4 calls" in " ".join(
         plan(_small, (2, 4), reshard_after_forward=2).notes)

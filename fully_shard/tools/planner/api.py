@@ -210,6 +210,11 @@ def plan(
         root: FSDPState | None = getattr(model, STATE_ATTR, None)
         if root is None:
             raise ValueError("plan(): shard_fn must call fully_shard on the model (the root) last")
+        if getattr(model, "_compiled_call_impl", None) is not None:
+            raise ValueError("plan(): shard_fn compiles the whole model (model.compile() after fully_shard), which "
+                             "plan() cannot plan: it runs fully_shard's eager step, and the compiled step's schedule "
+                             "is inductor's (docs/compile.md: the overlap passes gather every block at the start of "
+                             "forward). Plan without the compile; docs/compile.md has the measured peaks")
         states = list(dict.fromkeys(s for m in model.modules() if (s := getattr(m, STATE_ATTR, None)) is not None))
         acts: dict[FSDPState, Activations] = {}
         block_act = 0
