@@ -204,10 +204,10 @@ def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
 def compile_options(bucket: bool = False, overlap: bool = True) -> dict[str, Any]:
     """Inductor's ``options`` for ``torch.compile`` of a whole model sharded with ``fully_shard``, whose collectives the
     graph holds (docs/compile.md). ``overlap``: its scheduler's overlap passes, which issue each all-gather early and
-    wait for it and for each reduce-scatter late, so the collectives run under compute (within the graph's peak
-    memory); inductor skips them while ``torch.use_deterministic_algorithms(True)`` is on. ``bucket``: its FX passes
-    that make a graph's all-gathers one collective, and its reduce-scatters one (fewer collectives, every block's
-    parameters unsharded at once).
+    wait for it and for each reduce-scatter late, so the collectives run under compute (for more memory: gathered
+    blocks are held sooner); inductor skips them under ``torch.use_deterministic_algorithms(True)``. ``bucket``: its
+    FX passes that make a graph's all-gathers one collective, and its reduce-scatters one (fewer collectives, every
+    block's parameters unsharded at once).
 
     Example::
 
