@@ -86,14 +86,17 @@ def _called_collectives(code: str) -> Counter[str]:
     return Counter(op for op in called if op != "wait_tensor")
 
 
+# a collective's call in inductor's generated code: its output is assigned, or (bucketed) written through ``out=``
+_ISSUE = re.compile(r"(?:(\w+) = )?torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\(.*?(?:out=(\w+))?\)$")
+
+
 def _overlaps(code: str) -> list[int]:
     """For each collective that inductor's generated ``code`` issues, in order: how many compute kernels run between its
     issue and its wait (0: waited on at once; more: overlapped with them)."""
     body = code[code.index("def call("):].splitlines()
     out = []
     for i, line in enumerate(body):
-        issue = r"(?:(\w+) = )?torch\.ops\._c10d_functional\.(?!wait_tensor)\w+\.default\(.*?(?:out=(\w+))?\)$"
-        issued = re.search(issue, line.strip())
+        issued = _ISSUE.search(line.strip())
         if issued is None:
             continue
         name, kernels = issued.group(1) or issued.group(2), 0
