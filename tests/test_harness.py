@@ -181,8 +181,9 @@ def test_calls_share_init_device_mesh_meshes_until_a_call_makes_another_group() 
 
 def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limit() -> None:
     """Twelve calls that each make a subgroup, a 2-D mesh and k-rank groups (a gloo group: 3 threads): every call
-    from the third starts with as many threads as the third (the previous harness kept them all: 9 more threads a
-    call, 64 passed by the 7th), and the highest count the workers saw stays within THREAD_LIMIT."""
+    from the third starts with as many threads as the third, give or take one still ending (the previous
+    harness kept them all: 9 more threads a call, 64 passed by the 7th), and the highest count the workers saw stays
+    within THREAD_LIMIT."""
     runs = [run_distributed(_make_every_kind_of_group, 4) for _ in range(12)]
     assert all(run[rank]["sum"] == 4 for run in runs for rank in range(4))
     made = max(run[rank]["made"] for run in runs for rank in range(4))
@@ -193,8 +194,10 @@ def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limi
         # nothing adds up over calls: from the third call on, every call starts with as many threads (the first call
         # releases what earlier tests left in the pool, or starts torch's own pools in a fresh one; torch 2.14.1 also
         # keeps the previous call's mesh groups in a cache of its own until the next call replaces them, so the second
-        # call may start with fewer than the rest: seen under pytest-xdist, [37, 5, 19, 19, ...])
-        assert starts[2:] == [starts[2]] * 10, (rank, starts)
+        # call may start with fewer than the rest: seen under pytest-xdist, [37, 5, 19, 19, ...]). A thread of the
+        # previous call's groups may still be ending when a call begins (seen in CI: [17, 11, 11, 11, 11, 12, 11, ...]),
+        # so the counts may differ by one; one group left behind a call would add three a call, 27 over these ten
+        assert max(starts[2:]) - min(starts[2:]) <= 1, (rank, starts)
         assert all(run[rank]["made"] > run[rank]["start"] for run in runs), rank  # the groups held threads while alive
 
 
