@@ -35,17 +35,20 @@ Design:
   the clean-up; a call whose worker went over :data:`THREAD_LIMIT` fails, naming the count
   (:func:`thread_peaks` has the highest counts seen, per world size). A pool whose worker
   still holds more than half the limit after the clean-up (groups some cache of torch's
-  keeps) is replaced before the next call, so nothing adds up over calls.
+  keeps) is replaced before the next call, so nothing adds up over calls. So is a pool whose worker's heap grew by
+  more than :data:`RECYCLE_BLOCKS` memory blocks (``sys.getallocatedblocks()``) since it started: what compiled
+  models, their graphs and caches leave makes every later ``gc.collect()`` walk it (after the compile tests, 800,000
+  objects: the planner's measured grid took 65 s instead of 10), and a new pool starts in a fraction of a second.
 * The one exception: meshes made by ``init_device_mesh`` are shared by the calls of a pool, as in one
   training job: a call that asks for a mesh another call made (the same device type, shape and dimension names)
   gets the same ``DeviceMesh``, whose groups stay, and so do DTensor's sharding caches, which are keyed by equal
   meshes (recomputing them after every call was a fifth of the workers' time). At most
   :data:`MESH_GROUPS_KEPT` groups stay; a call that made any other group (``new_group``, a flattened or sliced
   mesh's group, k-rank groups) or more meshes than that is cleaned up as above, its shared meshes with it.
-* The preload freezes what it imported (torch's DTensor, dynamo and sympy with fully_shard: about 285,000 objects
-  that live as long as the worker; ``gc.freeze()``, ``support.storages.freeze_heap``): every later ``gc.collect()``
-  (the storage tracker's on each entry, the clean-up's) walks only what the calls made, which took the planner's
-  measured grid from 10 s to 4 s per rank.
+* The preload freezes what it imported (torch's DTensor, dynamo and sympy with fully_shard, and inductor, which the
+  compile tests use: about 370,000 objects that live as long as the worker; ``gc.freeze()``,
+  ``support.storages.freeze_heap``): every later ``gc.collect()`` (the storage tracker's on each entry, the
+  clean-up's) walks only what the calls made, which took the planner's measured grid from 10 s to 4 s per rank.
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
 * The device switch: ``FULLY_SHARD_TEST_DEVICE=cuda`` (any accelerator type torch knows)
@@ -124,6 +127,9 @@ _STARTUP_ATTEMPTS = 3
 THREAD_LIMIT = 64
 # The most process groups of shared meshes (init_device_mesh's, reused by later calls) a worker keeps between calls.
 MESH_GROUPS_KEPT = 6
+# A worker whose heap grew by more than this many memory blocks since it started (seen after a call) is replaced before
+# the next call (module docstring): about 400,000 objects, a full collection of 0.2-0.4 s
+RECYCLE_BLOCKS = 1_000_000
 # (device type, shape, dimension names, other arguments) -> the DeviceMesh the worker's calls share
 _MESHES: dict[Any, Any] = {}
 # Seconds a rank whose call returned waits for the other ranks' calls before it destroys the call's groups.
@@ -491,6 +497,8 @@ def preload() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     _share_meshes()
+    import torch._inductor.compile_fx  # noqa: F401 - the compile tests' (0.7 CPU-s a worker otherwise)
+
     import fully_shard  # noqa: F401
     from support.storages import freeze_heap
 
@@ -541,6 +549,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         os._exit(1)  # as below: no finalization while a half-made process group may hold threads
     watch = _ThreadWatch()
     left = _thread_count()  # the threads a worker holds between calls (after the previous call's clean-up)
+    blocks = sys.getallocatedblocks()
     conn.send((_MSG_READY, os.getpid()))
 
     while True:
@@ -561,7 +570,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.co
         except BaseException:
             reply: tuple[str, Any] = (_MSG_ERR, traceback.format_exc())
         else:
-            reply = (_MSG_OK, (payload, watch.take(), left))
+            reply = (_MSG_OK, (payload, watch.take(), left, sys.getallocatedblocks() - blocks))
         _flush_std_streams()
         try:
             conn.send(reply)
@@ -865,8 +874,10 @@ def run_distributed(
                 except (EOFError, OSError):
                     kind, value = _MSG_ERR, f"worker process died ({pool._exit_desc(rank)})"
                 if kind == _MSG_OK:
-                    value, peak, after = value
+                    value, peak, after, grown = value
                     too_many = _see_threads(world_size, rank, peak, after, what)
+                    if grown > RECYCLE_BLOCKS:
+                        _RECYCLE.add(world_size)
                     try:
                         results[rank] = pickle.loads(value)
                     except Exception:

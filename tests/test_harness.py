@@ -11,7 +11,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests import harness
-from tests.harness import THREAD_LIMIT, DistributedTestFailure, _thread_count, mesh, run_distributed, thread_peaks
+from tests.harness import (
+    RECYCLE_BLOCKS,
+    THREAD_LIMIT,
+    DistributedTestFailure,
+    _thread_count,
+    mesh,
+    run_distributed,
+    thread_peaks,
+)
 from tests.torch_features import skip_without_torch_feature
 
 # ---------------------------------------------------------------------------
@@ -99,6 +107,15 @@ _HELD: list[object] = []  # a worker's groups kept across calls: the leak the ha
 def _hold_groups(n: int) -> int:
     _HELD.extend(dist.new_group(list(range(dist.get_world_size()))) for _ in range(n))
     return len(_HELD)
+
+
+def _grow_heap(n: int) -> int:
+    """Keep ``n`` more objects alive in this worker (a compile test's graphs and caches, in small), in blocks grown."""
+    import sys
+
+    before = sys.getallocatedblocks()
+    _HELD.append([[] for _ in range(n)])
+    return sys.getallocatedblocks() - before
 
 
 def _destroy_default_group() -> bool:
@@ -199,6 +216,20 @@ def test_workers_destroy_every_group_a_call_makes_and_stay_under_the_thread_limi
         # so the counts may differ by one; one group left behind a call would add three a call, 27 over these ten
         assert max(starts[2:]) - min(starts[2:]) <= 1, (rank, starts)
         assert all(run[rank]["made"] > run[rank]["start"] for run in runs), rank  # the groups held threads while alive
+
+
+def test_a_worker_whose_heap_grew_is_replaced_before_the_next_call() -> None:
+    """A call after which the worker holds more than RECYCLE_BLOCKS new memory blocks (every later gc.collect() would
+    walk them) succeeds, and the next call gets a fresh pool; a call that grows it less keeps the pool."""
+    pids = run_distributed(_pid, 2)
+    grown = run_distributed(_grow_heap, 2, 10_000)
+    assert all(0 < g < RECYCLE_BLOCKS for g in grown), grown
+    assert run_distributed(_pid, 2) == pids
+    grown = run_distributed(_grow_heap, 2, RECYCLE_BLOCKS * 11 // 10)
+    assert all(g > RECYCLE_BLOCKS for g in grown), grown
+    after = run_distributed(_pid, 2)
+    assert set(after).isdisjoint(pids), (after, pids)
+    assert run_distributed(_pid, 2) == after
 
 
 def test_a_worker_over_the_thread_limit_fails_its_call_then_pool_recovers() -> None:
