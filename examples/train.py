@@ -314,10 +314,10 @@ def parallelize(model: torch.nn.Module, args: argparse.Namespace, mesh: DeviceMe
         fully_shard(block, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
     if not args.fit:
         fully_shard(model, mesh=mesh, reshard_after_forward=RESHARD[args.reshard_after_forward], mp_policy=mp)
-    if args.compile == "whole":  # in place, after fully_shard: the blocks' collectives in one graph, under compute
-        from fully_shard import compile_options
+    if args.compile == "whole":  # in place, after fully_shard: every group's collectives in one graph, under compute
+        from fully_shard import compile_options, compile_whole
 
-        model.compile(fullgraph=True, options=compile_options())
+        compile_whole(model, options=compile_options())
     if args.comm_quant != "none":  # after fully_shard: the Comm objects go on every sharded module
         from fully_shard.quant import quantize_comms
 

@@ -27,7 +27,7 @@ from .api import (
 )
 from .comm import DEBUG_ENV, CollectiveError
 from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .traced import compile_options
+from .traced import compile_options, compile_whole
 
 if TYPE_CHECKING:  # the names below, for type checkers; loaded by __getattr__ at first use
     from .switch import install, uninstall
@@ -39,7 +39,7 @@ __all__ = [
     "register_fsdp_forward_method", "DataParallelMeshDims", "share_comm_ctx", "ShardPlacementResult",
     # beyond torch's FSDP2
     "materialize", "broadcast_full_state_dict", "plan", "clip_grad_norm_", "install", "uninstall",
-    "compile_options",
+    "compile_options", "compile_whole",
     # exceptions to catch
     "CollectiveError", "CollectiveMismatchError", "ShardedUsageError", "ShardedDeepcopyError",
 ]

@@ -201,6 +201,10 @@ def fully_shard(
     group = ParamGroup(sharded, mesh_info, device, label) if sharded else None
     state = FSDPState(modules, group, device, reshard, post_forward, mp_policy, ignored)
     for m in modules:
+        for sub in m.modules():  # the earlier calls this one encloses (the traced path's reshard default reads it)
+            if (inner := getattr(sub, STATE_ATTR, None)) is not None:
+                inner.enclosed = True
+    for m in modules:
         m.__dict__[STATE_ATTR] = state
         mark_fully_sharded(m)  # torch's replicate leaves its parameters to us, as it does for torch's FSDP2
         m.__class__ = _fsdp_class(type(m))

@@ -199,6 +199,7 @@ class FSDPState:
         # reshard_after_forward=k: this rank's k-rank group, by id(MeshInfo)
         self.post_forward_ranks = post_forward_ranks
         self.is_root = False  # decided at lazy init
+        self.enclosed = False  # a later fully_shard call's module contains this one's (set by that call)
         self.ctx: RootContext | None = None  # set at lazy init: ``lazy_init()`` returns it
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, overrides implicit
@@ -345,10 +346,13 @@ class FSDPState:
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = traced.cast_floating(mp.param_dtype, (args, kwargs))
+        if self.ctx is None and not self.enclosed and self.device.type != "cpu":  # the root, traced: its input move
+            args, kwargs = _map_tensors(lambda t: t.to(self.device), (args, kwargs))
         if self.group is not None:
-            # None: the root's default, False; an int is traced as True (see traced.check_traceable)
-            reshard = bool(self.reshard_after_forward) and torch.is_grad_enabled()
-            traced.register(traced.gathered_params(self.group, reshard))
+            # None (no lazy init yet: the root traced too): the root's default, False, else True. An int is traced as
+            # True (see traced.check_traceable)
+            reshard = self.enclosed if self.reshard_after_forward is None else self.reshard_after_forward
+            traced.register(traced.gathered_params(self.group, bool(reshard) and torch.is_grad_enabled()))
         return args, kwargs
 
     def traced_post_forward(self, output: Any) -> Any:

@@ -47,7 +47,9 @@ class TracedUnsupportedError(NotImplementedError):
 
 
 def _op_name(op: Any) -> str:
-    return "avg" if op == torch.distributed.ReduceOp.AVG else "sum"
+    # identity, not ==: dynamo on torch 2.11 cannot trace the comparison of two ReduceOps (divide_factors returns
+    # ReduceOp.AVG itself)
+    return "avg" if op is torch.distributed.ReduceOp.AVG else "sum"
 
 
 class _Bucket:
@@ -227,6 +229,29 @@ def compile_options(bucket: bool = False, overlap: bool = True) -> dict[str, Any
     return options
 
 
+def compile_whole(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+    """Compile ``model`` in place (``model.compile``, so its ``state_dict`` keys stay) with its own hooks traced too:
+    the root's group (embeddings, final norm, output) is gathered and reduced in the graph with the blocks', where
+    ``torch.compile(model)`` runs the compiled module's own hooks eagerly, outside the graph (docs/compile.md).
+    ``kwargs`` are ``torch.compile``'s, ``fullgraph=True`` unless given. Returns ``model``; the first call traces.
+
+    Example::
+
+        >>> for layer in model.layers:
+        ...     _ = fully_shard(layer, mesh=mesh)
+        >>> model = compile_whole(fully_shard(model, mesh=mesh), options=compile_options())
+        >>> model._compiled_call_impl is not None  # traced, root hooks included, at the first call
+        True
+    """
+    import torch._dynamo
+
+    kwargs.setdefault("fullgraph", True)
+    # dynamo then traces the module call itself (hooks included) instead of running the hooks and tracing forward
+    with torch._dynamo.config.patch(wrap_top_frame=True):
+        model.compile(**kwargs)
+    return model
+
+
 def register(pairs: list[tuple[ShardedParam, torch.Tensor]]) -> None:
     """Point every module that uses a parameter at its tensor in ``pairs`` (gathered, or the sharded one back)."""
     for p, tensor in pairs:
@@ -285,6 +310,12 @@ def check_traceable(state: Any) -> None:
     group = state.group
     if group is None:
         return
+    if state.ctx is None:  # no eager forward yet (the root traced too): what the eager root's lazy init checks
+        for p in group.params:
+            p.check_materialized()
+            if any(module._parameters.get(attr) is not p.sharded_param for module, attr in p.uses):
+                refuse(f"has parameter {p.fqn!r} replaced after fully_shard",
+                       "Run one forward eagerly first (it shards the replacement, or refuses it), then compile.")
     if group.is_unsharded:
         refuse("is unsharded when the traced forward starts (an explicit unshard(), or a forward not finished)",
                "Leave the gathering to the compiled forward.")
