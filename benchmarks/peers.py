@@ -100,11 +100,11 @@ def _build(impl: str, base: Any, mp: str, mesh: Any, world: int) -> Any:
             for block in model.layers:  # as torchtitan compiles: each block, before sharding
                 block.compile()
         shard_model(model, "fully_shard", mesh, True, mp)
-        if "compiled_whole" in impl:  # after sharding: the blocks' collectives in one graph (traced.py)
-            from fully_shard import compile_options
+        if "compiled_whole" in impl:  # after sharding: every group's collectives in one graph, the root's too
+            from fully_shard import compile_options, compile_whole
 
             passes = PASSES.get(impl.rsplit("_", 1)[-1])
-            model.compile(fullgraph=True, options=compile_options(**passes) if passes else None)
+            compile_whole(model, options=compile_options(**passes) if passes else None)
         if impl.endswith("int8"):
             from fully_shard.quant import quantize_comms
 
