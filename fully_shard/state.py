@@ -346,7 +346,8 @@ class FSDPState:
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = traced.cast_floating(mp.param_dtype, (args, kwargs))
-        if self.ctx is None and not self.enclosed and self.device.type != "cpu":  # the root, traced: its input move
+        root = self.is_root if self.ctx is not None else not self.enclosed  # before lazy init: by the module tree
+        if root and self.device.type != "cpu":  # the root traced too (compile_whole): the eager root's input move
             args, kwargs = _map_tensors(lambda t: t.to(self.device), (args, kwargs))
         if self.group is not None:
             # None (no lazy init yet: the root traced too): the root's default, False, else True. An int is traced as
