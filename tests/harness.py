@@ -38,7 +38,8 @@ Design:
   keeps) is replaced before the next call, so nothing adds up over calls. So is a pool whose worker's heap grew by
   more than :data:`RECYCLE_BLOCKS` memory blocks (``sys.getallocatedblocks()``) since it started: what compiled
   models, their graphs and caches leave makes every later ``gc.collect()`` walk it (after the compile tests, 800,000
-  objects: the planner's measured grid took 65 s instead of 10), and a new pool starts in a fraction of a second.
+  objects: the planner's measured grid took 65 s in the long suite, 19 s with this), and a new pool starts in a
+  fraction of a second.
 * The one exception: meshes made by ``init_device_mesh`` are shared by the calls of a pool, as in one
   training job: a call that asks for a mesh another call made (the same device type, shape and dimension names)
   gets the same ``DeviceMesh``, whose groups stay, and so do DTensor's sharding caches, which are keyed by equal
