@@ -1,5 +1,5 @@
 """What fully_shard knows of torch pieces that differ between torch versions or that other torch APIs share with
-torch's FSDP2, in one place: feature checks, never version-number comparisons.
+torch's FSDP2, in one place: feature checks, and a version number only for a fix no attribute shows.
 
 - The tensor collectives' names (``dist.all_gather_single`` / ``reduce_scatter_single`` from torch 2.13, the
   ``*_tensor`` names before), which ``comm.py`` calls; a PREMUL_SUM op's factor (shown from torch 2.13).
@@ -10,6 +10,10 @@ torch's FSDP2, in one place: feature checks, never version-number comparisons.
   fully_shard loads it, through ``torch.distributed.checkpoint``); it is read from ``sys.modules``, never imported.
 - ``replicate``'s state: the parameters it averages (its DistributedDataParallel over a ParameterList), for the
   first-forward check of a model whose own parameters nobody shards (``tools/checks.py``).
+- Activation checkpointing around a traced gather (``traced.checkpointed``): from torch 2.14 AOT autograd recomputes
+  the gather in backward. torch 2.13 fails at run time on the CPU (a DeviceMesh among the tensors it saves, when a
+  recomputed op saves its random state) and torch 2.11 keeps the gathered parameters for backward; no attribute
+  shows the fix, so the version says it (``CHECKPOINTED_GATHER_TRACES``).
 - spmd_types (torch 2.14): a plain parameter annotated with local SPMD types, under ``dp_mesh_dims``, is sharded as
   the DTensor its annotation describes (``layout.SpmdTypesMesh``), where the installed torch's FSDP2 does so too.
 """
@@ -34,6 +38,8 @@ _CONTRACT = "torch.distributed._composable.contract"
 # torch 2.13 renamed the tensor collectives; older releases only have the old names (comm.py calls them by these)
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+CHECKPOINTED_GATHER_TRACES = torch.torch_version.TorchVersion(torch.__version__) >= "2.14"
 
 
 def premul_sum_factor(op: Any) -> float:

@@ -81,6 +81,7 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None  # the parameter the module computes with
         self.post_forward_slice: torch.Tensor | None = None  # 1-D, this rank's 1/k of the padded param
         self._unsharded_version = 0  # the unsharded parameter's version counter after its copy-out
+        self.traced_local: torch.Tensor | None = None  # traced: the local shard taken outside a checkpointed region
         if tied_to is not None:  # Note [tied parameters]: another call sharded it (alike: fully_shard checks)
             self.tie = tied_to.tie
             self.tie.params.append(self)

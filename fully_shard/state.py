@@ -209,6 +209,7 @@ class FSDPState:
         self.fqn: str | None = None  # of its module in the root, once lazy init knows it ("": the root)
         self.ignored_params = ignored_params
         self.to_run: set[nn.Module] = set()  # members yet to run in the open forward pass
+        self.gather_inside = False  # traced, in a checkpoint_wrapper: gathered inside its checkpointed region
         self._register_hooks()
         if group is not None:
             _register_state_dict_hooks(group)
@@ -255,6 +256,18 @@ class FSDPState:
         for module in self.modules:
             module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_hook, prepend=False)
+        inner = traced.checkpointed(self)
+        if inner is not None:  # the traced gather inside the checkpointed region (traced.py: activation checkpointing)
+            def inner_pre(module: nn.Module, args: Any) -> None:
+                if torch.compiler.is_compiling() and self.group is not None and self.gather_inside:
+                    traced.register(traced.gathered_params(self.group, False, inside=True))
+
+            def inner_post(module: nn.Module, args: Any, output: Any) -> None:
+                if torch.compiler.is_compiling() and self.group is not None and self.gather_inside:
+                    traced.register(traced.sharded(self.group))
+
+            inner.register_forward_pre_hook(inner_pre, prepend=True)
+            inner.register_forward_hook(inner_post)
 
     @_not_traced
     def _member_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -353,13 +366,22 @@ class FSDPState:
             # None (no lazy init yet: the root traced too): the root's default, False, else True. An int is traced as
             # True (see traced.check_traceable)
             reshard = self.enclosed if self.reshard_after_forward is None else self.reshard_after_forward
-            traced.register(traced.gathered_params(self.group, bool(reshard) and torch.is_grad_enabled()))
+            reshard = bool(reshard) and torch.is_grad_enabled()
+            # in a checkpoint_wrapper, resharded: gathered inside its checkpointed region (its inner module's hooks),
+            # which the backward recomputes; False: here, and the region keeps the gathered parameters as its inputs
+            self.gather_inside = reshard and traced.checkpointed(self) is not None
+            if self.gather_inside:
+                traced.take_locals(self.group)
+            else:
+                traced.register(traced.gathered_params(self.group, reshard))
         return args, kwargs
 
     def traced_post_forward(self, output: Any) -> Any:
         """While dynamo traces: point the modules back at the sharded parameters."""
         if self.group is not None:
             traced.register(traced.sharded(self.group))
+            for p in self.group.params if self.gather_inside else ():
+                p.traced_local = None
         dtype = self.mp_policy.output_dtype
         return output if dtype is None else traced.cast_floating(dtype, output)
 

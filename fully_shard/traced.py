@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from . import compat
 from .comm import divide_factors
 from .group import ParamGroup, _buckets
 from .layout import MeshLayout, reduced_parts
@@ -153,9 +154,11 @@ class _GatherFunction(torch.autograd.Function):
         return (None, None, None, *_reduce(bucket, grads, held), *none)
 
 
-def _gather_bucket(bucket: _Bucket, sync: bool, flags: tuple[bool, ...],
+def _gather_bucket(bucket: _Bucket, sync: bool, flags: tuple[bool, ...], inside: bool,
                    *held: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    shards = [cast(DTensor, p.sharded_param).to_local() for p in bucket.params]  # differentiable: grads reach it
+    # differentiable: grads reach the DTensor parameters (taken before the checkpointed region, ``take_locals``)
+    shards = [cast(torch.Tensor, p.traced_local) if inside else cast(DTensor, p.sharded_param).to_local()
+              for p in bucket.params]
     if not sync:
         sinks = [cast(torch.Tensor, p.tie.sink) for p in bucket.params]
         return _GatherFunction.apply(bucket, False, (), *shards, *sinks)  # type: ignore[no-untyped-call, no-any-return]
@@ -168,10 +171,11 @@ def _recompute_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Chec
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def gathered_params(group: ParamGroup, reshard: bool) -> list[tuple[ShardedParam, torch.Tensor]]:
+def gathered_params(group: ParamGroup, reshard: bool, inside: bool = False) -> list[tuple[ShardedParam, torch.Tensor]]:
     """Each parameter of ``group`` with its full tensor, gathered in the graph being traced. Under grad mode with
     gradient sync on, the gradients accumulated with it off are this backward's to reduce: taken here (cleared now, as
-    the eager ``reduce_grads`` clears them), outside the checkpoint, which allows no side effects."""
+    the eager ``reduce_grads`` clears them), outside the checkpoint, which allows no side effects. ``inside``: in a
+    ``checkpoint_wrapper``'s checkpointed region, from the local shards ``take_locals`` took before it."""
     grad = torch.is_grad_enabled()
     sync = group.options.requires_gradient_sync or not grad
     out = []
@@ -183,11 +187,35 @@ def gathered_params(group: ParamGroup, reshard: bool) -> list[tuple[ShardedParam
         flags, tensors = tuple(h is not None for h in held), [h for h in held if h is not None]
         if reshard:
             context = functools.partial(create_selective_checkpoint_contexts, _recompute_collectives)
-            fulls = checkpoint(_gather_bucket, bucket, sync, flags, *tensors, use_reentrant=False, context_fn=context)
+            fulls = checkpoint(_gather_bucket, bucket, sync, flags, False, *tensors, use_reentrant=False,
+                               context_fn=context)
         else:
-            fulls = _gather_bucket(bucket, sync, flags, *tensors)
+            fulls = _gather_bucket(bucket, sync, flags, inside, *tensors)
         out += list(zip(params, fulls))
     return out
+
+
+def checkpointed(state: Any) -> torch.nn.Module | None:
+    """The module a ``checkpoint_wrapper`` checkpoints, where ``state``'s one module is that wrapper (torchtitan applies
+    activation checkpointing to each block, then ``fully_shard``), else None.
+
+    Traced, such a group with ``reshard_after_forward`` is gathered inside the checkpointed region (the inner module's
+    hooks), so the backward recomputes the gather with the rest of the region (or as a selective policy says) rather
+    than keep the full parameters: the region's side effects (pointing the modules at the gathered parameters and back)
+    are then not replayed by the recomputation, which dynamo allows under
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (``compile_whole`` sets it)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    module = state.modules[0]
+    wrapped = len(state.modules) == 1 and isinstance(module, CheckpointWrapper)
+    return cast(torch.nn.Module, module._checkpoint_wrapped_module) if wrapped else None
+
+
+def take_locals(group: ParamGroup) -> None:
+    """Each parameter's local shard (``DTensor.to_local``, differentiable), taken outside the checkpointed region that
+    gathers it, so the region computes on plain tensors."""
+    for p in group.params:
+        p.traced_local = cast(DTensor, p.sharded_param).to_local()
 
 
 def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
@@ -234,6 +262,8 @@ def compile_whole(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     the root's group (embeddings, final norm, output) is gathered and reduced in the graph with the blocks', where
     ``torch.compile(model)`` runs the compiled module's own hooks eagerly, outside the graph (docs/compile.md).
     ``kwargs`` are ``torch.compile``'s, ``fullgraph=True`` unless given. Returns ``model``; the first call traces.
+    Where blocks are in a ``checkpoint_wrapper`` (activation checkpointing), the calls run with
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` set (see ``checkpointed``).
 
     Example::
 
@@ -244,11 +274,23 @@ def compile_whole(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         True
     """
     import torch._dynamo
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     kwargs.setdefault("fullgraph", True)
     # dynamo then traces the module call itself (hooks included) instead of running the hooks and tracing forward
     with torch._dynamo.config.patch(wrap_top_frame=True):
         model.compile(**kwargs)
+    if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
+        # a block in a checkpoint_wrapper gathers inside its checkpointed region (``checkpointed``): dynamo must allow
+        # the region's side effects while it traces, which happens in the calls
+        compiled = cast(Any, model._compiled_call_impl)
+
+        @functools.wraps(compiled)
+        def call(*args: Any, **kw: Any) -> Any:
+            with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+                return compiled(*args, **kw)
+
+        model._compiled_call_impl = call
     return model
 
 
@@ -280,6 +322,45 @@ def make_sinks(group: ParamGroup) -> None:
         p.tie.sink = sink
 
 
+def _check_checkpointed(state: Any, refuse: Any, per_block: str) -> None:
+    """Activation checkpointing the traced path supports: ``fully_shard`` on a (non-reentrant) ``checkpoint_wrapper``,
+    on torch 2.14 or later, with dynamo allowing the region's side effects (``checkpointed``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper, CheckpointImpl
+
+    from .param import STATE_ATTR
+
+    def wrappers(module: torch.nn.Module, prefix: str) -> list[str]:  # below it, down to other calls' modules
+        found = []
+        for name, child in module.named_children():
+            if STATE_ATTR not in child.__dict__:
+                found += [prefix + name] * isinstance(child, ActivationWrapper) + wrappers(child, f"{prefix}{name}.")
+        return found
+
+    inner = checkpointed(state)
+    nested = [w for m in state.modules for w in wrappers(m, "")]
+    if nested:
+        refuse(f"has an activation-checkpoint wrapper inside it ({nested[0]!r}), whose region would keep the gathered "
+               "parameters", "Apply fully_shard to the checkpoint_wrapper itself (torchtitan's order: "
+               "checkpoint_wrapper each block, then fully_shard it). " + per_block)
+    if inner is None:
+        if any(isinstance(m, ActivationWrapper) for m in state.modules):
+            refuse("is in an activation wrapper other than checkpoint_wrapper (offload_wrapper)", per_block)
+        return
+    import torch._dynamo
+
+    if state.modules[0].checkpoint_impl is CheckpointImpl.REENTRANT:
+        refuse("is in a reentrant checkpoint_wrapper", "Use checkpoint_impl=CheckpointImpl.NO_REENTRANT (the default).")
+    if not compat.CHECKPOINTED_GATHER_TRACES:
+        refuse(f"is in a checkpoint_wrapper (activation checkpointing) on torch {torch.__version__}",
+               "torch 2.14 and later trace it (this torch's AOT autograd fails on the gather inside the checkpointed "
+               "region, or keeps the gathered parameters for backward). " + per_block)
+    if not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
+        refuse("is in a checkpoint_wrapper whose checkpointed region gathers it, with "
+               "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint off (dynamo then refuses the "
+               "region's side effects: pointing the modules at the gathered parameters and back)",
+               "Compile with fully_shard.compile_whole (it sets that flag while the model runs), or set it to True.")
+
+
 def _sink_fits(p: ShardedParam) -> bool:
     sink = p.tie.sink
     return sink is not None and sink.dtype == p.reduce_dtype and sink.device == p.device and sink.shape == p.size
@@ -304,9 +385,7 @@ def check_traceable(state: Any) -> None:
                  "run from eager hooks), see docs/compile.md.")
     if len(state.modules) > 1:
         refuse("is one fully_shard call over several modules", "Shard each module on its own. " + per_block)
-    if any(hasattr(m, "_checkpoint_wrapped_module") for m in state.modules):
-        # under aot_eager, AOT autograd then saves a DeviceMesh among the tensors for backward and fails at run time
-        refuse("is in a checkpoint_wrapper (activation checkpointing)", per_block)
+    _check_checkpointed(state, refuse, per_block)
     group = state.group
     if group is None:
         return

@@ -10,8 +10,9 @@ parameters, again in backward, and its reduce-scatter in backward. The root's ow
 (``torch.compile(model)`` calls the model's hooks outside the graph; docs/compile.md); ``compile_whole`` traces it too.
 
 The grid: default settings, ``reshard_after_forward`` False and an int, mixed precision (bf16 parameters, fp32
-reduction), activation checkpointing (torchtitan's ``checkpoint_wrapper`` around each block), weights tied within the
-root's group, ignored parameters, and HSDP (4 ranks as 2 replicas of 2 shards). Gradient accumulation with
+reduction), activation checkpointing (torchtitan's ``checkpoint_wrapper`` around each block, full and selective; torch
+2.14 and later, refused before), weights tied within the root's group, ignored parameters, and HSDP (4 ranks as 2
+replicas of 2 shards). Gradient accumulation with
 ``set_requires_gradient_sync(False)`` for the micro-batches before the last: bitwise against eager fully_shard
 accumulating the same way (default settings, mixed precision, ``reshard_after_forward=False``, HSDP), two dynamo graphs;
 the parameters cast after ``set_requires_gradient_sync(False)`` raise ``TracedUnsupportedError`` naming the module.
@@ -22,6 +23,7 @@ overlap passes every collective's wait after compute kernels, bitwise as without
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fully_shard import compile_options, compile_whole
 from tests.harness import device_type, run_distributed
@@ -51,9 +54,11 @@ def build(setting: str, world: int) -> nn.Module:
 
     torch.manual_seed(0)
     model = Transformer(ARGS)
-    if setting == "ac":
+    if setting.startswith(("ac", "sac")):  # torchtitan's full AC, or its op-level selective AC
+        context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+                   } if setting.startswith("sac") else {}
         for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block)
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **context)
     if setting == "tied":
         model.output.weight = model.tok_embeddings.weight
     if setting == "unsharded":
@@ -61,7 +66,7 @@ def build(setting: str, world: int) -> nn.Module:
     shape = (2, world // 2) if setting == "hsdp" else (world,)
     mesh = init_device_mesh(device_type(), shape)
     kwargs: dict[str, Any] = {}
-    if setting == "reshard-false":
+    if setting.endswith("reshard-false"):
         kwargs["reshard_after_forward"] = False
     if setting == "reshard-int":
         kwargs["reshard_after_forward"] = 2
@@ -72,6 +77,14 @@ def build(setting: str, world: int) -> nn.Module:
         fully_shard(block, mesh=mesh, ignored_params=ignored, **kwargs)
     fully_shard(model, mesh=mesh, **{k: v for k, v in kwargs.items() if k == "mp_policy"})
     return model
+
+
+def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """torchtitan's selective AC policy, in short: save matmuls, attention and reduce-scatters, recompute the rest
+    (the all-gather among them)."""
+    save = (torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _collectives(gm: torch.fx.GraphModule) -> Counter[str]:
@@ -184,7 +197,7 @@ def _check(setting: str, eager: dict[str, Any], compiled: dict[str, Any], replic
     (forward,), (backward,) = compiled["collectives"]["forward"], compiled["collectives"]["backward"]
     blocks = 2
     assert forward == Counter(all_gather_into_tensor=blocks), (setting, forward)
-    regather = 0 if setting == "reshard-false" else blocks  # reshard_after_forward: recomputed in backward
+    regather = 0 if setting.endswith("reshard-false") else blocks  # reshard_after_forward: recomputed in backward
     expected = Counter(reduce_scatter_tensor=blocks, all_gather_into_tensor=regather,
                        all_reduce=blocks * (replicas > 1))
     assert backward == +expected, (setting, backward)
@@ -269,6 +282,67 @@ def test_compile_whole_traces_the_root_too() -> None:
         # a compiled function that calls the model traces the root the same way (its blocks' default: True)
         assert r["function"] == [Counter(all_gather_into_tensor=3),
                                  Counter(all_gather_into_tensor=2, reduce_scatter_tensor=3)], r["function"]
+
+
+AC_SETTINGS = ["ac", "ac-reshard-false", "sac"]
+
+
+def _nested_checkpoint_refused() -> str:
+    """A checkpoint_wrapper inside a sharded block (around its feed-forward) rather than the sharded module."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    for block in model.layers:
+        block.feed_forward = checkpoint_wrapper(block.feed_forward)  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+    return _first_call_refused(fully_shard(model, mesh=mesh))
+
+
+def checkpoint_body() -> dict[str, Any]:
+    import torch._dynamo
+
+    from fully_shard import compat
+
+    out: dict[str, Any] = {"nested": _nested_checkpoint_refused()}
+    if not compat.CHECKPOINTED_GATHER_TRACES:
+        return {**out, "old torch": _first_call_refused(build("ac", dist.get_world_size()))}
+    out["flag off"] = _first_call_refused(build("ac", dist.get_world_size()), whole=False)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        out.update({s: (train(s, False), train(s, True)) for s in AC_SETTINGS})
+    return {**out, "whole": (train("ac", False), train("ac", True, root=True))}  # compile_whole sets the flag itself
+
+
+def test_whole_compile_with_activation_checkpointing() -> None:
+    """Blocks in torchtitan's ``checkpoint_wrapper`` (full AC, and op-level selective AC saving matmuls, attention
+    and reduce-scatters): the all-gather runs inside the checkpointed region, so the backward graph gathers each block
+    again (``reshard_after_forward=False``: gathered before the region, whose inputs keep them: no all-gather in
+    backward), bitwise as eager; ``compile_whole`` too, which sets dynamo's flag for the region's side effects, and
+    plain ``torch.compile`` without that flag is refused naming it. Before torch 2.14 it is refused, naming the
+    torch. Not marked long: CI's compatibility runs (torch 2.11, 2.14.1) run it. An activation-checkpoint wrapper
+    inside a sharded block is refused on every torch."""
+    from fully_shard import compat
+
+    for r in run_distributed(checkpoint_body, 2, timeout=600):
+        assert "'feed_forward'), whose region would keep the gathered parameters" in r["nested"], r["nested"]
+        assert "Apply fully_shard to the checkpoint_wrapper itself" in r["nested"], r["nested"]
+        if not compat.CHECKPOINTED_GATHER_TRACES:
+            assert f"in a checkpoint_wrapper (activation checkpointing) on torch {torch.__version__}" in r["old torch"]
+            assert "torch 2.14 and later trace it" in r["old torch"], r["old torch"]
+            continue
+        assert "skip_fwd_side_effects_in_bwd_under_checkpoint off" in r["flag off"], r["flag off"]
+        assert "Compile with fully_shard.compile_whole" in r["flag off"], r["flag off"]
+        for setting in AC_SETTINGS:
+            _check(setting, *r[setting])
+        eager, whole = r["whole"]
+        assert whole["losses"] == eager["losses"] and whole["graphs"] == 1, (whole["losses"], eager["losses"])
+        for name, p in whole["params"].items():
+            torch.testing.assert_close(p, eager["params"][name], rtol=0, atol=0, msg=lambda m: f"whole {name}: {m}")
+        assert whole["collectives"]["forward"] == [Counter(all_gather_into_tensor=3)], whole["collectives"]
+        assert whole["collectives"]["backward"] == [Counter(all_gather_into_tensor=2, reduce_scatter_tensor=3)]
 
 
 def accumulate_body(setting: str, micro: int) -> dict[str, Any]:
@@ -433,14 +507,16 @@ def _refused_body() -> str:
     return "no error"
 
 
-def _first_call_refused(model: nn.Module) -> str:
-    """What ``compile_whole``'s first call of ``model`` raises (dynamo may wrap it: the message is what users read)."""
+def _first_call_refused(model: nn.Module, whole: bool = True) -> str:
+    """What ``compile_whole``'s (``whole=False``: ``torch.compile``'s) first call of ``model`` raises (dynamo may wrap
+    it: the message is what users read)."""
     import torch._dynamo
 
-    compile_whole(model, backend="aot_eager")
+    run = compile_whole(model, backend="aot_eager") if whole else torch.compile(model, backend="aot_eager",
+                                                                               fullgraph=True)
     x = batch(0, dist.get_rank(), ARGS)
     try:
-        model(x)
+        run(x)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     finally:
