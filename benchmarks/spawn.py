@@ -33,8 +33,11 @@ from typing import Any
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, job: Any,
            out_path: str) -> None:
+    import gc
+
     from support.processes import die_with_parent
 
+    gc.disable()  # no automatic collection while importing (each walks everything imported so far): see below
     die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -46,6 +49,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backen
         from support.storages import freeze_heap
 
         freeze_heap()  # the imports' objects out of every later gc.collect() (the storage tracker's)
+        gc.enable()
         if backend == "fake":
             from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -504,6 +504,7 @@ def preload() -> None:
     from support.storages import freeze_heap
 
     freeze_heap()
+    gc.enable()  # off while the fork server imported (tests._forkserver_preload)
     _PRELOADED = True
 
 

@@ -63,8 +63,8 @@ def _jobs(out: str) -> dict[str, Callable[[], Any]]:
         return os.path.join(out, name)
 
     return {
-        "learns": lambda: _run([*_SMALL, "--warmup", "2", "--grad-accum", "2", "--no-plot", "--metrics",
-                                at("m.jsonl"), "--profile", at("prof")], timeout=_JOB_TIMEOUT),
+        "learns": lambda: _run([*_SMALL, "--warmup", "2", "--grad-accum", "2", "--gc-freq", "2", "--no-plot",
+                                "--metrics", at("m.jsonl"), "--profile", at("prof")], timeout=_JOB_TIMEOUT),
         "muon": lambda: _learns("--optimizer", "muon"),
         "quant": lambda: _learns("--comm-quant", "int4", "--comm-quant-block", "64"),
         "usual": lambda: _run([*_IN_BACKWARD, "--metrics", at("usual.jsonl")], timeout=_JOB_TIMEOUT),

@@ -232,6 +232,22 @@ def test_a_worker_whose_heap_grew_is_replaced_before_the_next_call() -> None:
     assert run_distributed(_pid, 2) == after
 
 
+def _gc_state() -> tuple[bool, int]:
+    import gc
+
+    return gc.isenabled(), gc.get_freeze_count()
+
+
+def test_garbage_collection_runs_with_what_was_imported_frozen() -> None:
+    """The pytest process (tests/conftest.py) and the pooled workers (their fork server's preload) import with
+    Python's automatic garbage collection off, then freeze what they imported (torch, fully_shard, the test modules)
+    out of every later collection and turn it on again."""
+    enabled, frozen = _gc_state()
+    assert enabled and frozen > 100_000, (enabled, frozen)
+    for rank, (enabled, frozen) in enumerate(run_distributed(_gc_state, 2)):
+        assert enabled and frozen > 100_000, (rank, enabled, frozen)
+
+
 def test_a_worker_over_the_thread_limit_fails_its_call_then_pool_recovers() -> None:
     before = run_distributed(_pid, 2)
     assert run_distributed(_hold_groups, 2, 2) == [2, 2]  # kept across calls, yet under the limit
