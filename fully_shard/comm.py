@@ -131,6 +131,9 @@ class Ranks:
     group: dist.ProcessGroup
     size: int
     rank: int
+    # a k-rank group of reshard_after_forward=k: the ranks at this rank's index in every k-rank group of its shard
+    # group, over which the traced path gathers first (traced.py: two-level gather)
+    complement: Ranks | None = None
 
 
 @dataclass

@@ -121,13 +121,19 @@ def _post_forward_info(info: MeshInfo, k: int) -> Ranks:
     rows = info.mesh._layout.remap_to_tensor(info.mesh._rank_map).reshape(-1, n).tolist()
     made, key = _k_rank_groups.setdefault(dist.distributed_c10d._get_default_group(), {}), (str(rows), k)
     if key not in made:
-        me = dist.get_rank()
+        me, complement = dist.get_rank(), None
+        for row in rows:  # the ranks at one index of every k-rank group: the traced path's first gather
+            for index in range(k):
+                members = row[index::k]
+                group = dist.new_group(members)
+                if me in members:
+                    complement = Ranks(group, len(members), members.index(me))
         for row in rows:
             for start in range(0, n, k):
                 members = row[start : start + k]
                 group = dist.new_group(members)
                 if me in members:
-                    made[key] = Ranks(group, k, members.index(me))
+                    made[key] = Ranks(group, k, members.index(me), complement)
         assert key in made, f"rank {me} is not in the mesh {rows}"
     return made[key]
 

@@ -363,8 +363,8 @@ class FSDPState:
         if root and self.device.type != "cpu":  # the root traced too (compile_whole): the eager root's input move
             args, kwargs = _map_tensors(lambda t: t.to(self.device), (args, kwargs))
         if self.group is not None:
-            # None (no lazy init yet: the root traced too): the root's default, False, else True. An int is traced as
-            # True (see traced.check_traceable)
+            # None (no lazy init yet: the root traced too): the root's default, False, else True. An int: its k-rank
+            # groups (post_forward_ranks), a two-level gather (traced.gathered_params)
             reshard = self.enclosed if self.reshard_after_forward is None else self.reshard_after_forward
             reshard = bool(reshard) and torch.is_grad_enabled()
             # in a checkpoint_wrapper, resharded: gathered inside its checkpointed region (its inner module's hooks),
@@ -373,7 +373,7 @@ class FSDPState:
             if self.gather_inside:
                 traced.take_locals(self.group)
             else:
-                traced.register(traced.gathered_params(self.group, reshard))
+                traced.register(traced.gathered_params(self.group, reshard, keep=self.post_forward_ranks))
         return args, kwargs
 
     def traced_post_forward(self, output: Any) -> Any:

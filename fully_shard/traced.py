@@ -15,9 +15,9 @@ factors (SimpleFSDP's idea, arXiv 2411.00284):
                   through a leaf per parameter (``make_sinks``) into ``accumulated_grad``, which the next backward
                   with sync on adds to its own before its reduce-scatter, as the eager path does
     post_forward  the modules point at the sharded parameters again. ``reshard_after_forward`` says what backward
-                  gets: True (and an int: see ``check_traceable``) recomputes the all-gather in backward (a selective
-                  activation-checkpoint policy that recomputes only the collective and its copy-out), False saves
-                  the gathered parameters
+                  gets: True recomputes the all-gather in backward (a selective activation-checkpoint policy that
+                  recomputes only the collective and its copy-out), False saves the gathered parameters, an int k
+                  gathers in two levels and keeps the first, 1/k of the parameters (``_first_level``)
 
 The compiler sees every collective (``_c10d_functional`` ops) and may bucket and reorder them. Nothing here runs when
 not tracing; the eager hooks never run while tracing. What the traced path cannot express raises
@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import compat
-from .comm import divide_factors
+from .comm import Ranks, divide_factors
 from .group import ParamGroup, _buckets
 from .layout import MeshLayout, reduced_parts
 from .param import ShardedParam, Tie
@@ -57,7 +57,7 @@ class _Bucket:
     """What the traced all-gather of one bucket of a group (one unsharded dtype, one mesh) needs: constants only, so
     dynamo guards on them and the graph holds no Python objects."""
 
-    def __init__(self, params: list[ShardedParam], group: ParamGroup) -> None:
+    def __init__(self, params: list[ShardedParam], group: ParamGroup, keep: Ranks | None = None) -> None:
         info, options = params[0].mesh_info, group.options
         self.params = params
         self.dtype = params[0].unsharded_dtype
@@ -70,19 +70,48 @@ class _Bucket:
                                                  options.force_sum_reduction)
         self.op = _op_name(op)
         self.slots = [p.layout.slot_numel for p in params]
+        # reshard_after_forward=k: the k-rank group and its complement (the two-level gather, ``_first_level``)
+        self.k = 0 if keep is None else keep.size
+        self.k_group = None if keep is None else keep.group.group_name
+        self.m = 0 if keep is None or keep.complement is None else keep.complement.size
+        self.c_group = None if keep is None or keep.complement is None else keep.complement.group.group_name
 
 
-def _gather(bucket: _Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The full parameters of ``bucket`` from this rank's 1-D shards: pack (each padded to its slot, cast to the
-    unsharded dtype), all-gather, copy out into each parameter's layout."""
+def _pack(bucket: _Bucket, shards: Any) -> torch.Tensor:
+    """This rank's 1-D shards, each padded to its slot and cast to the unsharded dtype, in one buffer."""
     pieces = []
     for shard, slot in zip(shards, bucket.slots):
         flat = shard.reshape(-1).to(bucket.dtype)
         pieces.append(flat if flat.numel() == slot else torch.nn.functional.pad(flat, (0, slot - flat.numel())))
-    packed = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    world = bucket.world
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _gather(bucket: _Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The full parameters of ``bucket`` from this rank's 1-D shards: pack, all-gather, copy out into each parameter's
+    layout."""
+    packed, world = _pack(bucket, shards), bucket.world
     gathered = packed if world == 1 else funcol.wait_tensor(funcol.all_gather_tensor(packed, 0, bucket.shard_group))
-    blocks = gathered.view(world, -1).split(bucket.slots, dim=1)  # (world, slot) each, rank-major
+    return _copy_outs(bucket, gathered)
+
+
+def _first_level(bucket: _Bucket, shards: Any) -> torch.Tensor:
+    """reshard_after_forward=k, the first of two gathers: the packed shards of the ranks at this rank's index in every
+    k-rank group (its complement group, in group order). It is what backward keeps: 1/k of the full parameters, as the
+    eager path's post-forward slice."""
+    packed, group = _pack(bucket, shards), cast(Any, bucket.c_group)
+    return packed if bucket.m == 1 else funcol.wait_tensor(funcol.all_gather_tensor(packed, 0, group))
+
+
+def _second_level(bucket: _Bucket, first: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The full parameters from ``_first_level``'s result, gathered within the k-rank group: index i's result holds the
+    packed shards of ranks i, k + i, 2k + i, ... of the shard group, so the (k, m) blocks are transposed to rank-major
+    order before the copy-out."""
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(first, 0, cast(Any, bucket.k_group)))
+    return _copy_outs(bucket, gathered.view(bucket.k, bucket.m, -1).transpose(0, 1).reshape(-1))
+
+
+def _copy_outs(bucket: _Bucket, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    blocks = gathered.view(bucket.world, -1).split(bucket.slots, dim=1)  # (world, slot) each, rank-major
     return tuple(_copy_out(p, block) for p, block in zip(bucket.params, blocks))
 
 
@@ -135,34 +164,35 @@ class _GatherFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, bucket: _Bucket, sync: bool, held: tuple[bool, ...],
+    def forward(ctx: Any, bucket: _Bucket, sync: bool, held: tuple[bool, ...], first: torch.Tensor | None,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = len(bucket.params)
         ctx.bucket, ctx.sync, ctx.held, ctx.extra = bucket, sync, held, len(tensors) - n
         if sync:
             ctx.save_for_backward(*tensors[n:])
-        return _gather(bucket, *tensors[:n])
+        # ``first``: reshard_after_forward=k's first-level result (then the shards only route the gradients)
+        return _gather(bucket, *tensors[:n]) if first is None else _second_level(bucket, first)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         bucket, none = ctx.bucket, (None,) * ctx.extra
         if not ctx.sync:
             to_sinks = [None if g is None else g.to(bucket.reduce_dtype) for g in grads]
-            return (None, None, None, *(None,) * len(grads), *to_sinks)
+            return (None, None, None, None, *(None,) * len(grads), *to_sinks)
         saved = iter(ctx.saved_tensors)
         held = [next(saved) if h else None for h in ctx.held]
-        return (None, None, None, *_reduce(bucket, grads, held), *none)
+        return (None, None, None, None, *_reduce(bucket, grads, held), *none)
 
 
-def _gather_bucket(bucket: _Bucket, sync: bool, flags: tuple[bool, ...], inside: bool,
+def _gather_bucket(bucket: _Bucket, sync: bool, flags: tuple[bool, ...], inside: bool, first: torch.Tensor | None,
                    *held: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # differentiable: grads reach the DTensor parameters (taken before the checkpointed region, ``take_locals``)
     shards = [cast(torch.Tensor, p.traced_local) if inside else cast(DTensor, p.sharded_param).to_local()
               for p in bucket.params]
     if not sync:
         sinks = [cast(torch.Tensor, p.tie.sink) for p in bucket.params]
-        return _GatherFunction.apply(bucket, False, (), *shards, *sinks)  # type: ignore[no-untyped-call, no-any-return]
-    return _GatherFunction.apply(bucket, True, flags, *shards, *held)  # type: ignore[no-untyped-call, no-any-return]
+        return _GatherFunction.apply(bucket, False, (), first, *shards, *sinks)  # type: ignore[no-untyped-call, no-any-return]
+    return _GatherFunction.apply(bucket, True, flags, first, *shards, *held)  # type: ignore[no-untyped-call, no-any-return]
 
 
 def _recompute_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -171,26 +201,32 @@ def _recompute_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Chec
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def gathered_params(group: ParamGroup, reshard: bool, inside: bool = False) -> list[tuple[ShardedParam, torch.Tensor]]:
+def gathered_params(group: ParamGroup, reshard: bool, inside: bool = False,
+                    keep: dict[int, Ranks] | None = None) -> list[tuple[ShardedParam, torch.Tensor]]:
     """Each parameter of ``group`` with its full tensor, gathered in the graph being traced. Under grad mode with
     gradient sync on, the gradients accumulated with it off are this backward's to reduce: taken here (cleared now, as
     the eager ``reduce_grads`` clears them), outside the checkpoint, which allows no side effects. ``inside``: in a
-    ``checkpoint_wrapper``'s checkpointed region, from the local shards ``take_locals`` took before it."""
+    ``checkpoint_wrapper``'s checkpointed region, from the local shards ``take_locals`` took before it. ``keep``
+    (reshard_after_forward=k: per mesh, the k-rank group): gathered in two levels, the first kept for backward, the
+    second recomputed from it (the eager path's post-forward slice and its k-rank gather)."""
     grad = torch.is_grad_enabled()
     sync = group.options.requires_gradient_sync or not grad
     out = []
     for params in _buckets(group.params, lambda p: p.unsharded_dtype):
-        bucket = _Bucket(params, group)
+        k_ranks = (keep or {}).get(id(params[0].mesh_info)) if reshard and not inside else None
+        bucket = _Bucket(params, group, k_ranks)
         held = [p.tie.grad if sync and grad else None for p in params]
         for p in params if sync and grad else ():
             p.tie.grad = None
         flags, tensors = tuple(h is not None for h in held), [h for h in held if h is not None]
         if reshard:
+            first = None if k_ranks is None else _first_level(
+                bucket, [cast(DTensor, p.sharded_param).to_local().detach() for p in params])  # kept for backward
             context = functools.partial(create_selective_checkpoint_contexts, _recompute_collectives)
-            fulls = checkpoint(_gather_bucket, bucket, sync, flags, False, *tensors, use_reentrant=False,
+            fulls = checkpoint(_gather_bucket, bucket, sync, flags, False, first, *tensors, use_reentrant=False,
                                context_fn=context)
         else:
-            fulls = _gather_bucket(bucket, sync, flags, inside, *tensors)
+            fulls = _gather_bucket(bucket, sync, flags, inside, None, *tensors)
         out += list(zip(params, fulls))
     return out
 

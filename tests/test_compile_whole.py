@@ -136,10 +136,12 @@ def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
     torch._dynamo.reset()
     counters.clear()
     graphs: dict[str, list[Counter[str]]] = {"forward": [], "backward": []}
+    sizes: dict[str, list[set[int]]] = {"forward": [], "backward": []}  # the all-gathers' group sizes, per graph
 
     def record(kind: str) -> Any:
         def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             graphs[kind].append(_collectives(gm))
+            sizes[kind].append({n.args[1] for n in gm.graph.nodes if "all_gather_into_tensor" in str(n.target)})
             return make_boxed_func(gm.forward)
 
         return compiler
@@ -177,7 +179,8 @@ def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
     params = {n.replace(_PREFIX, ""): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
               for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "graphs": counters["stats"]["unique_graphs"],
-            "breaks": sum(counters["graph_break"].values()), "collectives": graphs}
+            "breaks": sum(counters["graph_break"].values()), "collectives": graphs,
+            "gather_sizes": sizes}
 
 
 def grid_body(settings: list[str]) -> dict[str, Any]:
@@ -196,7 +199,8 @@ def _check(setting: str, eager: dict[str, Any], compiled: dict[str, Any], replic
     # the two blocks' collectives in the one forward and one backward graph (the root's run eagerly)
     (forward,), (backward,) = compiled["collectives"]["forward"], compiled["collectives"]["backward"]
     blocks = 2
-    assert forward == Counter(all_gather_into_tensor=blocks), (setting, forward)
+    levels = 2 if setting == "reshard-int" else 1  # an int: a two-level gather
+    assert forward == Counter(all_gather_into_tensor=blocks * levels), (setting, forward)
     regather = 0 if setting.endswith("reshard-false") else blocks  # reshard_after_forward: recomputed in backward
     expected = Counter(reduce_scatter_tensor=blocks, all_gather_into_tensor=regather,
                        all_reduce=blocks * (replicas > 1))
@@ -223,12 +227,14 @@ def test_whole_compile_bitwise_2_ranks(setting: str) -> None:
 
 @pytest.mark.long
 def test_whole_compile_bitwise_4_ranks() -> None:
-    """HSDP (2 replicas x 2 shards: the all-reduce across replicas in the backward graph) and an int
-    reshard_after_forward (traced as True: the all-gather over all shard ranks is recomputed in backward)."""
+    """HSDP (2 replicas x 2 shards: the all-reduce across replicas in the backward graph) and
+    ``reshard_after_forward=2``: two all-gathers per block in forward (within the complement of the 2-rank group, then
+    within it), one in backward (within the 2 ranks, from the half kept), every one over 2 of the 4 ranks."""
     results = run_distributed(grid_body, 4, ["hsdp", "reshard-int"], timeout=600)
     for r in results:
         _check("hsdp", *r["hsdp"], replicas=2)
         _check("reshard-int", *r["reshard-int"])
+        assert r["reshard-int"][1]["gather_sizes"] == {"forward": [{2}], "backward": [{2}]}, r["reshard-int"][1]
 
 
 def _step_compiled_as_a_function() -> list[Counter[str]]:

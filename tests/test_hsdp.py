@@ -225,14 +225,15 @@ def _groups_and_steps(n_layers: int, reshard: bool | int, use_torch: bool) -> di
 
 @pytest.mark.parametrize("n_layers", [4, 32])
 def test_reshard_to_2_ranks_makes_one_set_of_groups(n_layers: int) -> None:
-    """Every call with the same mesh ranks and k shares one set of groups (torch: a set per call, an NCCL communicator
-    each); training is bitwise ``reshard_after_forward=True``'s: the backward all-gather within 2 ranks rebuilds the
-    same parameters, the reduce-scatter is the same."""
+    """Every call with the same mesh ranks and k shares one set of groups, the k-rank groups and their complements
+    (torch: a set per call, an NCCL communicator each); training is bitwise ``reshard_after_forward=True``'s: the
+    backward all-gather within 2 ranks rebuilds the same parameters, the reduce-scatter is the same."""
     ours = run_distributed(_groups_and_steps, 4, n_layers, 2, False)
     plain = run_distributed(_groups_and_steps, 4, n_layers, True, False)
     for rank, (a, b) in enumerate(zip(ours, plain)):
-        # the set on 4 ranks: [0, 1] and [2, 3], made by every rank (new_group is collective), this rank in one
-        assert (a["joined"], a["new_group"], b["joined"]) == (1, 2, 0), (rank, a["joined"], a["new_group"], b["joined"])
+        # the set on 4 ranks: [0, 1] and [2, 3], and their complements [0, 2] and [1, 3] (the traced path's first
+        # gather), made by every rank (new_group is collective), this rank in one of each
+        assert (a["joined"], a["new_group"], b["joined"]) == (2, 4, 0), (rank, a["joined"], a["new_group"], b["joined"])
         assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"])), (rank, a["losses"], b["losses"])
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), rank
     if n_layers == 4:  # what torch's FSDP2 does instead: a 2-D post-forward mesh per call, 2 groups each

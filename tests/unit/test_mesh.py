@@ -69,9 +69,13 @@ def test_k_rank_groups_are_made_once_per_world_and_ranks(rank: int) -> None:
             a, b = mesh_info_for(mesh["shard"]), mesh_info_for(mesh["shard"])
             keep = [resolve_reshard_after_forward(2, info, [("w", info)])[1][id(info)] for info in (a, b)]
             assert keep[0] is keep[1] and (keep[0].size, keep[0].rank) == (2, rank % 2)
-            assert [c.args[0] for c in made.call_args_list] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # every copy's, once
+            # every copy's, once: first the complements (the ranks at one index of every k-rank group), then the groups
+            assert [c.args[0] for c in made.call_args_list] == [[0, 2], [1, 3], [4, 6], [5, 7],
+                                                                 [0, 1], [2, 3], [4, 5], [6, 7]]
+            complement = keep[0].complement
+            assert complement is not None and (complement.size, complement.rank) == (2, rank // 2 % 2)
             resolve_reshard_after_forward(4, a, [("w", a)])  # k = the shard size: as True, no group
-            assert made.call_count == 4
+            assert made.call_count == 8
             world = weakref.ref(dist.distributed_c10d._get_default_group())
             assert world() in mesh_module._k_rank_groups
         gc.collect()  # other tests' worlds may still be alive in this process: look at this one's alone

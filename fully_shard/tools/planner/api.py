@@ -236,7 +236,8 @@ def plan(
         k, mine = kept[0].size, len({id(r.group) for r in kept})
         notes.append(f"reshard_after_forward={k}: one set of {k}-rank process groups ({replicate * shard // k} in all, "
                      f"this rank in {mine}), shared by the {len(kept)} calls on this mesh (torch's FSDP2 makes a set "
-                     "per call)")
+                     f"per call), and their complements ({k} groups of {shard // k} ranks per replica, this rank in 1: "
+                     "the whole-model compile's first all-gather)")
     return Plan(
         model=label, mesh_shape=shape, rank=rank, shard_size=shard, replicate_size=replicate,
         param_dtype=_dtype_name(root.mp_policy.param_dtype), reduce_dtype=_dtype_name(root.mp_policy.reduce_dtype),
