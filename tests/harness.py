@@ -52,6 +52,9 @@ Design:
   clean-up's) walks only what the calls made, which took the planner's measured grid from 10 s to 4 s per rank.
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
+* A rank that crashes (SIGSEGV, SIGABRT: heap corruption, a C++ abort) or hangs says where: each worker has
+  ``faulthandler`` write every thread's Python stack to a file of the pool's, on a fatal signal and on ``SIGUSR1``,
+  which the parent sends to the ranks still in a call before it kills the pool; the failure quotes the stacks.
 * The device switch: ``FULLY_SHARD_TEST_DEVICE=cuda`` (any accelerator type torch knows)
   runs every worker on ``cuda:(rank % device_count)`` with that device as torch's default
   device, so a test's models and inputs are made there without edits. The backend is NCCL
@@ -79,13 +82,16 @@ imported by the fork server (or a spawned worker) after thread-count environment
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -135,6 +141,10 @@ RECYCLE_BLOCKS = 1_000_000
 _MESHES: dict[Any, Any] = {}
 # Seconds a rank whose call returned waits for the other ranks' calls before it destroys the call's groups.
 _RETURNED_WAIT_S = 60.0
+# Seconds a hung rank is given to write its Python stacks (SIGUSR1, faulthandler) before its pool is killed.
+_STACKS_WAIT_S = 1.0
+# The most characters of a rank's stacks quoted in a failure (its first ones: the thread that crashed comes first).
+_STACKS_QUOTED = 12_000
 # Seconds between two counts of a worker's threads while it serves a call.
 _THREAD_WATCH_PERIOD_S = 0.02
 
@@ -512,8 +522,13 @@ _PRELOADED = False
 
 
 def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection,
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], stacks_path: str) -> None:
     die_with_parent()
+    # where a crash or a hang shows (module docstring): the file object must live as long as the process
+    stacks = open(stacks_path, "w")  # noqa: SIM115
+    faulthandler.enable(stacks, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, stacks, all_threads=True)
     os.environ.clear()  # the parent's environment now, not the fork server's when it started
     os.environ.update(env)
     os.environ["FULLY_SHARD_TEST_WORKER"] = "1"
@@ -623,6 +638,7 @@ class _Pool:
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         self.pids: list[int] = []
+        self.stacks_dir = ""  # the workers' faulthandler files (module docstring)
 
     def start(self) -> None:
         last_error = ""
@@ -648,11 +664,12 @@ class _Pool:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_PG_TIMEOUT)
         port = self.store.port
         self.procs, self.conns, self.pids = [], [], []
+        self.stacks_dir = tempfile.mkdtemp(prefix=f"fully_shard-pool{self.world_size}-")
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, child_conn, dict(os.environ)),
+                args=(rank, self.world_size, port, child_conn, dict(os.environ), self._stacks_path(rank)),
                 name=f"fully_shard-test-rank{rank}-of-{self.world_size}",
                 daemon=False,
             )
@@ -690,6 +707,34 @@ class _Pool:
         self.pids = [pids[r] for r in range(self.world_size)]
         return None
 
+    def _stacks_path(self, rank: int) -> str:
+        return os.path.join(self.stacks_dir, f"rank{rank}.stacks")
+
+    def stacks(self, rank: int) -> str:
+        """What the rank's faulthandler wrote (its threads' Python stacks at a fatal signal or a SIGUSR1), or ""."""
+        try:
+            with open(self._stacks_path(rank), errors="replace") as f:
+                text = f.read(_STACKS_QUOTED + 1).strip()
+        except OSError:
+            return ""
+        return text if len(text) <= _STACKS_QUOTED else text[:_STACKS_QUOTED] + "\n[... cut]"
+
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The Python stacks of the live ``ranks`` (hung in a call), through SIGUSR1 (faulthandler in the worker)."""
+        if not hasattr(signal, "SIGUSR1"):
+            return {}
+        alive = [r for r in ranks if r < len(self.procs) and self.procs[r].is_alive() and self.procs[r].pid]
+        for rank in alive:
+            os.kill(self.procs[rank].pid, signal.SIGUSR1)  # type: ignore[arg-type]
+        deadline, seen = time.monotonic() + _STACKS_WAIT_S, None
+        while time.monotonic() < deadline:  # until every rank wrote something and nothing more came for 0.1 s
+            time.sleep(0.1)
+            now = {rank: self.stacks(rank) for rank in alive}
+            if now == seen and all(now.values()):
+                break
+            seen = now
+        return {rank: self.stacks(rank) for rank in alive}
+
     def _exit_desc(self, rank: int) -> str:
         proc = self.procs[rank]
         proc.join(1.0)
@@ -698,9 +743,11 @@ class _Pool:
             return "process still alive but its pipe closed"
         if code < 0:
             try:
-                return f"killed by signal {signal.Signals(-code).name} (exit code {code})"
+                desc = f"killed by signal {signal.Signals(-code).name} (exit code {code})"
             except ValueError:
-                return f"exit code {code}"
+                desc = f"exit code {code}"
+            stacks = self.stacks(rank)
+            return desc + (f"; its Python stacks (faulthandler):\n{stacks}" if stacks else "")
         return f"exit code {code}"
 
     def request_stop(self) -> None:
@@ -738,6 +785,9 @@ class _Pool:
                 pass
         self.procs, self.conns = [], []
         self.store = None  # every worker is gone: the server may go
+        if self.stacks_dir:
+            shutil.rmtree(self.stacks_dir, ignore_errors=True)
+            self.stacks_dir = ""
 
 
 _POOLS: dict[int, _Pool] = {}
@@ -852,6 +902,7 @@ def run_distributed(
     failures: dict[int, str] = {}
     results: dict[int, Any] = {}
     pending: dict[Any, int] = {}
+    hung_stacks: dict[int, str] = {}
     ok = False
     try:
         for rank, conn in enumerate(pool.conns):
@@ -894,6 +945,8 @@ def run_distributed(
         ok = not failures and not pending
     finally:
         if not ok:
+            if pending:  # where the ranks still in the call are, before their pool goes
+                hung_stacks = pool.dump_stacks(sorted(pending.values()))
             # Unknown collective state (or hung ranks): never reuse this pool.
             _discard_pool(world_size)
 
@@ -928,6 +981,8 @@ def run_distributed(
             f"(waited {elapsed:.1f} s; rank(s) {done} finished). Likely a collective that "
             "not every rank entered, or mismatched collective order. The worker pool was killed."
         )
+    for rank, stacks in sorted(hung_stacks.items()):
+        lines.append(f"\n----- rank {rank}: Python stacks when it was killed (faulthandler) -----\n{stacks}")
     raise DistributedTestFailure("\n".join(lines), failures, unfinished, results)
 
 

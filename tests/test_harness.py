@@ -141,6 +141,12 @@ def _die_on_rank_1() -> int:
     return dist.get_rank()
 
 
+def _abort_on_rank_1() -> int:
+    if dist.get_rank() == 1:
+        os.abort()  # as glibc does on a corrupted heap ("malloc(): unaligned tcache chunk detected")
+    return dist.get_rank()
+
+
 # ---------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------
@@ -293,7 +299,20 @@ def test_hang_fails_in_bounded_time_naming_ranks_then_pool_recovers() -> None:
     assert "timeout=5" in message
     assert info.value.unfinished == [0]
     assert info.value.results == {1: 1}
+    # where the hung rank was: its Python stack (faulthandler, on the SIGUSR1 sent before the pool was killed)
+    assert "rank 0: Python stacks when it was killed" in message
+    assert "in _hang_rank_0" in message, message
     assert [r["sum"] for r in run_distributed(_rank_info, 2, 1.0)] == [1.0, 1.0]
+
+
+def test_a_crashed_worker_says_where_it_crashed() -> None:
+    with pytest.raises(DistributedTestFailure) as info:
+        run_distributed(_abort_on_rank_1, 2, timeout=30.0)
+    message = str(info.value)
+    assert "killed by signal SIGABRT" in message
+    assert "its Python stacks (faulthandler)" in message and "in _abort_on_rank_1" in message, message
+    assert "in _worker_main" in message  # the whole stack, down to the harness's serve loop
+    assert run_distributed(_pid, 2)  # a fresh pool
 
 
 def test_dead_worker_is_reported_then_pool_recovers() -> None:
