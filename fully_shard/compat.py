@@ -10,10 +10,13 @@ torch's FSDP2, in one place: feature checks, and a version number only for a fix
   fully_shard loads it, through ``torch.distributed.checkpoint``); it is read from ``sys.modules``, never imported.
 - ``replicate``'s state: the parameters it averages (its DistributedDataParallel over a ParameterList), for the
   first-forward check of a model whose own parameters nobody shards (``tools/checks.py``).
-- Activation checkpointing around a traced gather (``traced.checkpointed``): from torch 2.14 AOT autograd recomputes
-  the gather in backward. torch 2.13 fails at run time on the CPU (a DeviceMesh among the tensors it saves, when a
-  recomputed op saves its random state) and torch 2.11 keeps the gathered parameters for backward; no attribute
-  shows the fix, so the version says it (``CHECKPOINTED_GATHER_TRACES``).
+- Activation checkpointing around a traced gather (``traced.checkpointed``): from torch 2.13 AOT autograd recomputes
+  the gather in backward (torch 2.11 keeps the gathered parameters for backward; no attribute shows the fix, so the
+  version says it: ``CHECKPOINTED_GATHER_TRACES``). A recomputed op with random state fails there at run time: AOT
+  autograd saves its state after the DeviceMesh of the DTensor parameters, which its runtime takes for a tensor
+  ("expected all tensors_saved_with_vc_check to be Tensors"; torch 2.13 and 2.14.1). torch 2.14 counts attention
+  without dropout as not random (its partitioner's ``is_rng_op``), torch 2.13 counts it random (``random_op``: what
+  ``traced.random_recompute_checked`` tells the partitioner under ``compile_whole``).
 - spmd_types (torch 2.14): a plain parameter annotated with local SPMD types, under ``dp_mesh_dims``, is sharded as
   the DTensor its annotation describes (``layout.SpmdTypesMesh``), where the installed torch's FSDP2 does so too.
 """
@@ -39,7 +42,24 @@ _CONTRACT = "torch.distributed._composable.contract"
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
-CHECKPOINTED_GATHER_TRACES = torch.torch_version.TorchVersion(torch.__version__) >= "2.14"
+CHECKPOINTED_GATHER_TRACES = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+# torch 2.13's partitioner counts attention without dropout as random (2.14's does not: a private function shows it)
+ZERO_DROPOUT_IS_RANDOM = torch.torch_version.TorchVersion(torch.__version__) < "2.14"
+
+
+def random_op(node: torch.fx.Node) -> bool:
+    """Whether a traced op draws random numbers, as torch 2.14's partitioner decides: a ``nondeterministic_seeded`` op,
+    except one with a ``dropout_p`` argument that is 0 (``scaled_dot_product_attention`` without dropout)."""
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    arguments = target._schema.arguments if isinstance(target, torch._ops.OpOverload) else []
+    index = next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None)
+    if index is None:
+        return True
+    dropout_p = (node.args[index] if len(node.args) > index
+                 else node.kwargs.get("dropout_p", arguments[index].default_value))
+    return not (isinstance(dropout_p, (int, float)) and dropout_p == 0.0)
 
 
 def premul_sum_factor(op: Any) -> float:

@@ -26,8 +26,11 @@ not tracing; the eager hooks never run while tracing. What the traced path canno
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import weakref
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -293,13 +296,51 @@ def compile_options(bucket: bool = False, overlap: bool = True) -> dict[str, Any
     return options
 
 
+# True while ``random_recompute_checked`` holds (compile_whole's calls of a model with checkpointed blocks)
+_random_checked = False
+
+
+@contextlib.contextmanager
+def random_recompute_checked() -> Iterator[None]:
+    """While it holds, AOT autograd's partitioner decides which recomputed ops are random as torch 2.14 does
+    (``compat.random_op``: attention without dropout is not; torch 2.13 counts it random, then fails on what it saves),
+    and refuses a random op recomputed in a checkpointed region of a graph with DTensor parameters, whose saved random
+    state torch (2.13 and 2.14.1) misplaces after their DeviceMesh: its runtime then fails with "expected all
+    tensors_saved_with_vc_check to be Tensors". ``compile_whole`` runs the calls of a model with checkpointed blocks
+    under it; dynamo compiles in the first call (and in a recompiling one)."""
+    global _random_checked
+    partitioners: Any = importlib.import_module("torch._functorch.partitioners")
+    original = partitioners.has_recomputable_rng_ops
+
+    def has_recomputable_rng_ops(graph: torch.fx.GraphModule) -> bool:
+        random = [n for n in graph.graph.nodes if partitioners.must_recompute(n) and compat.random_op(n)]
+        meshes = [n for n in graph.graph.find_nodes(op="placeholder") if partitioners.is_opaque_node(n)]
+        if random and meshes:
+            trace = (random[0].meta.get("stack_trace") or "").strip().splitlines()
+            where = next((f" ({line.strip()})" for line in reversed(trace) if line.strip().startswith("File ")), "")
+            raise TracedUnsupportedError(
+                f"fully_shard under torch.compile: a checkpointed region recomputes {random[0].target}{where}, random "
+                f"(dropout or a random op), in a graph of DTensor parameters, whose random state torch "
+                f"{torch.__version__}'s AOT autograd saves where its runtime fails on it. Set the region's dropout to "
+                "0, keep that op out of the checkpointed region (a selective AC policy that saves it), or compile per "
+                "block.")
+        return bool(random)
+
+    partitioners.has_recomputable_rng_ops, _random_checked = has_recomputable_rng_ops, True
+    try:
+        yield
+    finally:
+        partitioners.has_recomputable_rng_ops, _random_checked = original, False
+
+
 def compile_whole(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     """Compile ``model`` in place (``model.compile``, so its ``state_dict`` keys stay) with its own hooks traced too:
     the root's group (embeddings, final norm, output) is gathered and reduced in the graph with the blocks', where
     ``torch.compile(model)`` runs the compiled module's own hooks eagerly, outside the graph (docs/compile.md).
     ``kwargs`` are ``torch.compile``'s, ``fullgraph=True`` unless given. Returns ``model``; the first call traces.
     Where blocks are in a ``checkpoint_wrapper`` (activation checkpointing), the calls run with
-    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` set (see ``checkpointed``).
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` set (see ``checkpointed``) and under
+    ``random_recompute_checked``.
 
     Example::
 
@@ -323,7 +364,8 @@ def compile_whole(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
 
         @functools.wraps(compiled)
         def call(*args: Any, **kw: Any) -> Any:
-            with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            with (torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True),
+                  random_recompute_checked()):
                 return compiled(*args, **kw)
 
         model._compiled_call_impl = call
@@ -360,7 +402,8 @@ def make_sinks(group: ParamGroup) -> None:
 
 def _check_checkpointed(state: Any, refuse: Any, per_block: str) -> None:
     """Activation checkpointing the traced path supports: ``fully_shard`` on a (non-reentrant) ``checkpoint_wrapper``,
-    on torch 2.14 or later, with dynamo allowing the region's side effects (``checkpointed``)."""
+    on torch 2.13 or later (2.13: under ``compile_whole``), with dynamo allowing the region's side effects
+    (``checkpointed``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper, CheckpointImpl
 
     from .param import STATE_ATTR
@@ -388,8 +431,13 @@ def _check_checkpointed(state: Any, refuse: Any, per_block: str) -> None:
         refuse("is in a reentrant checkpoint_wrapper", "Use checkpoint_impl=CheckpointImpl.NO_REENTRANT (the default).")
     if not compat.CHECKPOINTED_GATHER_TRACES:
         refuse(f"is in a checkpoint_wrapper (activation checkpointing) on torch {torch.__version__}",
-               "torch 2.14 and later trace it (this torch's AOT autograd fails on the gather inside the checkpointed "
-               "region, or keeps the gathered parameters for backward). " + per_block)
+               "torch 2.13 and later trace it (this torch's AOT autograd keeps the gathered parameters for "
+               "backward). " + per_block)
+    if compat.ZERO_DROPOUT_IS_RANDOM and not _random_checked:
+        refuse(f"is in a checkpoint_wrapper (activation checkpointing) under plain torch.compile on torch "
+               f"{torch.__version__}, whose AOT autograd counts attention without dropout as random and then fails on "
+               "the random state it saves", "Compile with fully_shard.compile_whole (it tells AOT autograd otherwise, "
+               "as torch 2.14 decides). " + per_block)
     if not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
         refuse("is in a checkpoint_wrapper whose checkpointed region gathers it, with "
                "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint off (dynamo then refuses the "

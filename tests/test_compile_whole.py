@@ -54,6 +54,9 @@ def build(setting: str, world: int) -> nn.Module:
 
     torch.manual_seed(0)
     model = Transformer(ARGS)
+    if setting == "ac-dropout":  # a random op in the checkpointed region
+        for block in model.layers:
+            block.feed_forward = nn.Sequential(block.feed_forward, nn.Dropout(0.1))  # type: ignore[union-attr]
     if setting.startswith(("ac", "sac")):  # torchtitan's full AC, or its op-level selective AC
         context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _sac_policy)
                    } if setting.startswith("sac") else {}
@@ -187,7 +190,8 @@ def grid_body(settings: list[str]) -> dict[str, Any]:
     return {s: (train(s, False), train(s, True)) for s in settings}
 
 
-def _check(setting: str, eager: dict[str, Any], compiled: dict[str, Any], replicas: int = 1) -> None:
+def _check(setting: str, eager: dict[str, Any], compiled: dict[str, Any], replicas: int = 1,
+           root: bool = False) -> None:
     assert eager["losses"][0] != eager["losses"][-1]
     # one dynamo graph for the whole model; fullgraph=True would have raised on a break
     assert compiled["graphs"] == 1 and compiled["breaks"] == 0, (setting, compiled["graphs"], compiled["breaks"])
@@ -196,14 +200,15 @@ def _check(setting: str, eager: dict[str, Any], compiled: dict[str, Any], replic
     assert list(compiled["params"]) == list(eager["params"])
     for name, p in compiled["params"].items():
         torch.testing.assert_close(p, eager["params"][name], rtol=0, atol=0, msg=lambda m: f"{setting}, {name}: {m}")
-    # the two blocks' collectives in the one forward and one backward graph (the root's run eagerly)
+    # the two blocks' collectives in the one forward and one backward graph (the root's run eagerly; ``root``: the
+    # root's group traced too, compile_whole, its reshard_after_forward False)
     (forward,), (backward,) = compiled["collectives"]["forward"], compiled["collectives"]["backward"]
     blocks = 2
     levels = 2 if setting == "reshard-int" else 1  # an int: a two-level gather
-    assert forward == Counter(all_gather_into_tensor=blocks * levels), (setting, forward)
+    assert forward == Counter(all_gather_into_tensor=blocks * levels + root), (setting, forward)
     regather = 0 if setting.endswith("reshard-false") else blocks  # reshard_after_forward: recomputed in backward
-    expected = Counter(reduce_scatter_tensor=blocks, all_gather_into_tensor=regather,
-                       all_reduce=blocks * (replicas > 1))
+    expected = Counter(reduce_scatter_tensor=blocks + root, all_gather_into_tensor=regather,
+                       all_reduce=(blocks + root) * (replicas > 1))
     assert backward == +expected, (setting, backward)
 
 
@@ -313,10 +318,16 @@ def checkpoint_body() -> dict[str, Any]:
 
     from fully_shard import compat
 
+    world = dist.get_world_size()
     out: dict[str, Any] = {"nested": _nested_checkpoint_refused()}
     if not compat.CHECKPOINTED_GATHER_TRACES:
-        return {**out, "old torch": _first_call_refused(build("ac", dist.get_world_size()))}
-    out["flag off"] = _first_call_refused(build("ac", dist.get_world_size()), whole=False)
+        return {**out, "old torch": _first_call_refused(build("ac", world))}
+    out["dropout"] = _first_call_refused(build("ac-dropout", world))
+    if compat.ZERO_DROPOUT_IS_RANDOM:  # torch 2.13: under compile_whole only (which sets the flag itself)
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            out["plain"] = _first_call_refused(build("ac", world), whole=False)
+        return {**out, **{s: (train(s, False), train(s, True, root=True)) for s in AC_SETTINGS}}
+    out["flag off"] = _first_call_refused(build("ac", world), whole=False)
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
         out.update({s: (train(s, False), train(s, True)) for s in AC_SETTINGS})
     return {**out, "whole": (train("ac", False), train("ac", True, root=True))}  # compile_whole sets the flag itself
@@ -337,7 +348,16 @@ def test_whole_compile_with_activation_checkpointing() -> None:
         assert "Apply fully_shard to the checkpoint_wrapper itself" in r["nested"], r["nested"]
         if not compat.CHECKPOINTED_GATHER_TRACES:
             assert f"in a checkpoint_wrapper (activation checkpointing) on torch {torch.__version__}" in r["old torch"]
-            assert "torch 2.14 and later trace it" in r["old torch"], r["old torch"]
+            assert "torch 2.13 and later trace it" in r["old torch"], r["old torch"]
+            continue
+        # dropout recomputed in the region: torch's AOT autograd would fail at run time on its saved random state
+        assert "a checkpointed region recomputes aten." in r["dropout"], r["dropout"]
+        assert "Set the region's dropout to 0" in r["dropout"], r["dropout"]
+        if compat.ZERO_DROPOUT_IS_RANDOM:
+            assert "under plain torch.compile on torch" in r["plain"], r["plain"]
+            assert "Compile with fully_shard.compile_whole" in r["plain"], r["plain"]
+            for setting in AC_SETTINGS:
+                _check(setting, *r[setting], root=True)
             continue
         assert "skip_fwd_side_effects_in_bwd_under_checkpoint off" in r["flag off"], r["flag off"]
         assert "Compile with fully_shard.compile_whole" in r["flag off"], r["flag off"]
