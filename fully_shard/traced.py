@@ -311,10 +311,11 @@ def random_recompute_checked() -> Iterator[None]:
     global _random_checked
     partitioners: Any = importlib.import_module("torch._functorch.partitioners")
     original = partitioners.has_recomputable_rng_ops
+    opaque = getattr(partitioners, "is_opaque_node", lambda node: False)  # torch 2.11: a DeviceMesh is no graph input
 
     def has_recomputable_rng_ops(graph: torch.fx.GraphModule) -> bool:
         random = [n for n in graph.graph.nodes if partitioners.must_recompute(n) and compat.random_op(n)]
-        meshes = [n for n in graph.graph.find_nodes(op="placeholder") if partitioners.is_opaque_node(n)]
+        meshes = [n for n in graph.graph.find_nodes(op="placeholder") if opaque(n)]
         if random and meshes:
             trace = (random[0].meta.get("stack_trace") or "").strip().splitlines()
             where = next((f" ({line.strip()})" for line in reversed(trace) if line.strip().startswith("File ")), "")
