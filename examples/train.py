@@ -728,10 +728,15 @@ def main() -> int:
         if args.ft_enable:  # a Lighthouse and --ft-group-size replica groups, restarted when they fail
             from fault_tolerance import launch
 
-            return launch(os.path.abspath(__file__), worker_argv(args), replicas=args.ft_group_size, nproc=args.nproc,
+            code = launch(os.path.abspath(__file__), worker_argv(args), replicas=args.ft_group_size, nproc=args.nproc,
                           max_restarts=args.ft_max_restarts, lighthouse=args.ft_lighthouse, timeout=args.ft_timeout,
                           lighthouse_bind=args.ft_lighthouse_bind)
-        return launch_script(os.path.abspath(__file__), args.nproc, worker_argv(args))
+        else:
+            code = launch_script(os.path.abspath(__file__), args.nproc, worker_argv(args))
+        # the launcher is done: the shutdown's collection would walk every object torch made (0.7 CPU-s), none of which
+        # has anything left to finalize
+        gc.freeze()
+        return code
     import torch
     import torch.distributed as dist
 

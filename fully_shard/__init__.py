@@ -11,23 +11,33 @@ or, for a framework that calls torch's ``fully_shard`` for you (accelerate, the 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
-from .api import (
-    FSDPModule,
-    ShardedDeepcopyError,
-    ShardedUsageError,
-    ShardPlacementResult,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
-from .comm import DEBUG_ENV, CollectiveError
-from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from .traced import compile_options, compile_whole
+# Python's automatic collections while torch and this package import (each one of the oldest generation walks every
+# object made so far, and the imports make a few hundred thousand) take half of `import fully_shard`: 2.7 s -> 1.3 s
+# on a quiet core with them paused. Paused here only, and back on as the importer had it, whatever the imports raise.
+_collecting = gc.isenabled()
+gc.disable()
+try:
+    from .api import (
+        FSDPModule,
+        ShardedDeepcopyError,
+        ShardedUsageError,
+        ShardPlacementResult,
+        UnshardHandle,
+        fully_shard,
+        register_fsdp_forward_method,
+        share_comm_ctx,
+    )
+    from .comm import DEBUG_ENV, CollectiveError
+    from .policy import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+    from .traced import compile_options, compile_whole
+finally:
+    if _collecting:
+        gc.enable()
 
 if TYPE_CHECKING:  # the names below, for type checkers; loaded by __getattr__ at first use
     from .switch import install, uninstall
