@@ -284,7 +284,7 @@ def _run(args: list[str], on_line: Callable[[str], None] | None = None, launcher
     _, how = _stall_limit(started, step_times)
     assert proc.returncode == 0 and not stalled, (
         f"examples/train.py {' '.join(args)} {stalled or f'exited with {proc.returncode} '}after "
-        f"{time.monotonic() - started:.0f} s (the stall limit it measured: {how}):\n{out[-20000:]}")
+        f"{time.monotonic() - started:.0f} s (the stall limit it measured: {how}):\n{_story(out)}")
     return out
 
 
@@ -306,10 +306,21 @@ def _digests(out: str, world: int = 4) -> dict[tuple[int, int], tuple[str, str]]
     found = {}
     for replica, rank, params, optim in DIGEST.findall(out):
         key = (int(replica), int(rank)) if replica else divmod(int(rank), 2)
-        assert key not in found, f"{key} printed twice:\n{out[-20000:]}"
+        assert key not in found, f"{key} printed twice:\n{_story(out)}"
         found[key] = (params, optim)
-    assert sorted(found) == [divmod(r, 2) for r in range(world)], out[-20000:]
+    assert sorted(found) == [divmod(r, 2) for r in range(world)], _story(out)
     return found
+
+
+_EVENT = re.compile(r"fault tolerance|Lighthouse|recovered|killing|restart|exception|Error|Timed out|timeout|no quorum")
+
+
+def _story(out: str) -> str:
+    """What a failed assertion quotes of a fault-tolerant run: every line of its events (kills, restarts, recoveries,
+    the Lighthouse, errors; 300 characters each), wherever they fell in the output, then its last 6,000 characters
+    (the output's tail alone loses the events of a run that had to start again)."""
+    events = [line[:300] for line in out.splitlines() if _EVENT.search(line) and not line.lstrip().startswith("File ")]
+    return "events:\n" + "\n".join(events[-150:]) + "\n\nlast lines:\n" + out[-6000:]
 
 
 def _metrics(path: str) -> list[dict[str, Any]]:
@@ -337,7 +348,7 @@ def _chaos(impl: str, tmp: str) -> tuple[str, dict[tuple[int, int], tuple[str, s
                 "--ft-join-at", "14,24,27,28,29,30",
                 "--ft-kill", "1:1:10:forward", "--ft-kill", "0:0:18:optim", "--metrics", os.path.join(tmp, "m.jsonl")],
                on_line=kill_lighthouse)
-    assert killed or impl != "ours", out[-20000:]
+    assert killed or impl != "ours", _story(out)
     return out, _digests(out)
 
 
@@ -346,7 +357,7 @@ def _chaos(impl: str, tmp: str) -> tuple[str, dict[tuple[int, int], tuple[str, s
 def test_replica_groups_survive_kills_and_a_lighthouse_restart(tmp_path: Any) -> None:
     runs = dict(zip(IMPLS, _at_once(*(functools.partial(_chaos, impl, str(tmp_path / impl)) for impl in IMPLS))))
     for impl, (out, digests) in runs.items():
-        log = out[-20000:]
+        log = _story(out)
         for rank in (0, 1):  # the replicas hold bitwise the same parameters and optimizer state
             assert digests[0, rank] == digests[1, rank], (impl, log)
         # each group restarted once and recovered live once; the Lighthouse restarted
@@ -378,10 +389,10 @@ def test_a_kill_during_live_recovery_restarts_both_groups_from_scratch() -> None
     none of its ranks recovered; both start again from step 0 and end as plain HSDP on a (2, 2) mesh ends."""
     out = _run([*SMALL, *FT, "--ft-join-at", "14", "--ft-kill", "1:1:10:forward", "--ft-kill", "0:1:10:send"])
     hsdp = _run([*SMALL, "--nproc", "4", "--hsdp", "2"])
-    assert "killing this worker (SIGKILL) at step 13 (send)" in out, out[-20000:]
+    assert "killing this worker (SIGKILL) at step 13 (send)" in out, _story(out)
     # its rank 1 killed, rank 0 failing on its next collective: whichever the launcher sees first
     assert re.search(r"replica group 0: worker \d (was killed by SIGKILL|exited with status 1); restarting the group",
-                     out), out[-20000:]
+                     out), _story(out)
     assert _digests(out) == _digests(hsdp)
 
 
@@ -396,9 +407,9 @@ def test_torchrun_restart_reconnects_and_resumes_exactly(tmp_path: Any) -> None:
     out = _run([*common, "--ckpt-dir", str(tmp_path / "a"), "--ft-kill", "0:1:12:forward"],
                launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"))
     plain = _run([*common, "--ckpt-dir", str(tmp_path / "b"), "--nproc", "2"])
-    assert "killing this worker (SIGKILL) at step 12 (forward)" in out, out[-20000:]
-    assert "resumed from" in out and "step_10: step 10" in out, out[-20000:]
-    assert "connectFullMesh" not in out, out[-20000:]
+    assert "killing this worker (SIGKILL) at step 12 (forward)" in out, _story(out)
+    assert "resumed from" in out and "step_10: step 10" in out, _story(out)
+    assert "connectFullMesh" not in out, _story(out)
     assert _digests(out, 2) == _digests(plain, 2)
 
 
