@@ -54,9 +54,12 @@ def build(setting: str, world: int) -> nn.Module:
 
     torch.manual_seed(0)
     model = Transformer(ARGS)
-    if setting == "ac-dropout":  # a random op in the checkpointed region
+    if setting == "ac-dropout":  # a random op in the checkpointed region: a Dropout module
         for block in model.layers:
             block.feed_forward = nn.Sequential(block.feed_forward, nn.Dropout(0.1))  # type: ignore[union-attr]
+    if setting == "ac-functional-dropout":  # the same through F.dropout, which no module shows
+        for block in model.layers:
+            block.feed_forward = _FunctionalDropout(block.feed_forward)  # type: ignore[union-attr,arg-type]
     if setting.startswith(("ac", "sac")):  # torchtitan's full AC, or its op-level selective AC
         context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _sac_policy)
                    } if setting.startswith("sac") else {}
@@ -80,6 +83,15 @@ def build(setting: str, world: int) -> nn.Module:
         fully_shard(block, mesh=mesh, ignored_params=ignored, **kwargs)
     fully_shard(model, mesh=mesh, **{k: v for k, v in kwargs.items() if k == "mp_policy"})
     return model
+
+
+class _FunctionalDropout(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.inner(x), 0.1, self.training)
 
 
 def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -323,12 +335,14 @@ def checkpoint_body() -> dict[str, Any]:
     if not compat.CHECKPOINTED_GATHER_TRACES:
         return {**out, "old torch": _first_call_refused(build("ac", world))}
     out["dropout"] = _first_call_refused(build("ac-dropout", world))
+    out["functional dropout"] = _first_call_refused(build("ac-functional-dropout", world))
     if compat.ZERO_DROPOUT_IS_RANDOM:  # torch 2.13: under compile_whole only (which sets the flag itself)
         with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             out["plain"] = _first_call_refused(build("ac", world), whole=False)
         return {**out, **{s: (train(s, False), train(s, True, root=True)) for s in AC_SETTINGS}}
     out["flag off"] = _first_call_refused(build("ac", world), whole=False)
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        out["dropout, plain"] = _first_call_refused(build("ac-dropout", world), whole=False)
         out.update({s: (train(s, False), train(s, True)) for s in AC_SETTINGS})
     return {**out, "whole": (train("ac", False), train("ac", True, root=True))}  # compile_whole sets the flag itself
 
@@ -350,9 +364,13 @@ def test_whole_compile_with_activation_checkpointing() -> None:
             assert f"in a checkpoint_wrapper (activation checkpointing) on torch {torch.__version__}" in r["old torch"]
             assert "torch 2.13 and later trace it" in r["old torch"], r["old torch"]
             continue
-        # dropout recomputed in the region: torch's AOT autograd would fail at run time on its saved random state
-        assert "a checkpointed region recomputes aten." in r["dropout"], r["dropout"]
-        assert "Set the region's dropout to 0" in r["dropout"], r["dropout"]
+        # dropout recomputed in the region: torch's AOT autograd would fail at run time on its saved random state. A
+        # Dropout module is refused at trace time, naming it; F.dropout by compile_whole's check of the partitioner
+        assert "has dropout in its checkpointed region ('feed_forward.1', p=0.1)" in r["dropout"], r["dropout"]
+        assert "Set its p to 0" in r["dropout"], r["dropout"]
+        functional = r["functional dropout"]
+        assert "a checkpointed region recomputes aten.native_dropout.default (File" in functional, functional
+        assert "in forward), random" in functional and "Set the region's dropout to 0" in functional, functional
         if compat.ZERO_DROPOUT_IS_RANDOM:
             assert "under plain torch.compile on torch" in r["plain"], r["plain"]
             assert "Compile with fully_shard.compile_whole" in r["plain"], r["plain"]
@@ -360,6 +378,7 @@ def test_whole_compile_with_activation_checkpointing() -> None:
                 _check(setting, *r[setting], root=True)
             continue
         assert "skip_fwd_side_effects_in_bwd_under_checkpoint off" in r["flag off"], r["flag off"]
+        assert "has dropout in its checkpointed region" in r["dropout, plain"], r["dropout, plain"]
         assert "Compile with fully_shard.compile_whole" in r["flag off"], r["flag off"]
         for setting in AC_SETTINGS:
             _check(setting, *r[setting])
