@@ -439,8 +439,7 @@ def _check_checkpointed(state: Any, refuse: Any, per_block: str) -> None:
     if dropout is not None:  # before torch fails at run time (F.dropout, no module: random_recompute_checked)
         refuse(f"has dropout in its checkpointed region ({dropout[0]!r}, p={dropout[1]:g}), whose random state torch "
                f"{torch.__version__}'s AOT autograd saves where its runtime fails on it (torch's error: expected all "
-               "tensors_saved_with_vc_check to be Tensors)", "Set its p to 0 (or eval()), or save the dropout with "
-               "a selective AC policy. " + per_block)
+               "tensors_saved_with_vc_check to be Tensors)", "Set its p to 0 (or eval()). " + per_block)
     if compat.ZERO_DROPOUT_IS_RANDOM and not _random_checked:
         refuse(f"is in a checkpoint_wrapper (activation checkpointing) under plain torch.compile on torch "
                f"{torch.__version__}, whose AOT autograd counts attention without dropout as random and then fails on "
