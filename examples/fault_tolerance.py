@@ -73,6 +73,26 @@ def _start_lighthouse(port: int, bind: str) -> subprocess.Popen[bytes]:
                             env=dict(os.environ, RUST_LOG="warn"))
 
 
+def _first_lighthouse(bind: str, tries: int = 5, wait_s: float = 60.0) -> tuple[subprocess.Popen[bytes], int]:
+    """A Lighthouse listening on a free port of ``bind``, and the port. A port found free may be taken before the
+    Lighthouse binds it (another process's connection draws from the same ports): it then exits at once ("Address
+    already in use"), and another port is tried. It is listening once a connection to it succeeds."""
+    host = LOOPBACK if bind in ("::", "0.0.0.0") else bind
+    for _ in range(tries):
+        port = free_port()
+        house = _start_lighthouse(port, bind)
+        deadline = time.monotonic() + wait_s
+        while house.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, port), timeout=1.0).close()
+                return house, port
+            except OSError:
+                time.sleep(0.05)
+        _stop([house])
+    raise SystemExit(f"fault tolerance: the Lighthouse did not start listening on {bind} ({tries} ports tried, "
+                     f"{wait_s:.0f} s each); see its error above")
+
+
 def launch(script: str, argv: list[str], *, replicas: int, nproc: int, max_restarts: int,
            lighthouse: str | None = None, timeout: float = 60.0, lighthouse_bind: str = LOOPBACK) -> int:
     """Run ``script`` as ``replicas`` replica groups of ``nproc`` workers on this machine (and a Lighthouse unless
@@ -85,8 +105,7 @@ def launch(script: str, argv: list[str], *, replicas: int, nproc: int, max_resta
     procs: list[subprocess.Popen[bytes]] = []
     house = None
     if lighthouse is None:
-        port = free_port()
-        house = _start_lighthouse(port, lighthouse_bind)
+        house, port = _first_lighthouse(lighthouse_bind)
         wildcard = lighthouse_bind in ("::", "0.0.0.0")  # every interface: the workers here connect through loopback
         lighthouse = f"http://{_host_port('localhost' if wildcard else lighthouse_bind, port)}"
         print(f"fault tolerance: Lighthouse at {lighthouse} (pid {house.pid}), {replicas} replica groups of {nproc} "

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -471,6 +472,28 @@ def test_the_launched_lighthouse_listens_on_loopback_unless_asked(tmp_path: Any,
         assert found["listening"] == ["127.0.0.1"] and found["url"].startswith("http://127.0.0.1:"), found
     else:
         assert found["listening"] == ["::"] and found["url"].startswith("http://localhost:"), found
+
+
+def test_a_lighthouse_port_taken_before_it_binds_is_replaced_by_another(monkeypatch: Any) -> None:
+    """The launcher picks a free port for its Lighthouse, and another process may take it before the Lighthouse binds
+    it (here: a socket bound to it, as an outgoing connection's would be). That Lighthouse exits ("Address already
+    in use"); the launcher starts one on another port, and goes on once it listens."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import fault_tolerance
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        ports = [taken.getsockname()[1], fault_tolerance.free_port()]
+        offered = iter(ports)
+        monkeypatch.setattr(fault_tolerance, "free_port", lambda: next(offered))
+        house, port = fault_tolerance._first_lighthouse("127.0.0.1")
+    try:
+        assert port == ports[1] and house.poll() is None
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+    finally:
+        fault_tolerance._stop([house])
 
 
 def test_a_lighthouse_bind_that_is_no_address_is_refused(capsys: Any) -> None:
