@@ -743,7 +743,7 @@ class _Pool:
             return "process still alive but its pipe closed"
         if code < 0:
             try:
-                desc = f"killed by signal {signal.Signals(-code).name} (exit code {code})"
+                desc = f"killed by signal {signal.Signals(-code).name} (exit code {code}) as pid {proc.pid}"
             except ValueError:
                 desc = f"exit code {code}"
             stacks = self.stacks(rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -310,6 +311,7 @@ def test_a_crashed_worker_says_where_it_crashed() -> None:
         run_distributed(_abort_on_rank_1, 2, timeout=30.0)
     message = str(info.value)
     assert "killed by signal SIGABRT" in message
+    assert re.search(r"\(exit code -6\) as pid \d+", message), message  # names its core file, where one is written
     assert "its Python stacks (faulthandler)" in message and "in _abort_on_rank_1" in message, message
     assert "in _worker_main" in message  # the whole stack, down to the harness's serve loop
     assert run_distributed(_pid, 2)  # a fresh pool
