@@ -79,13 +79,11 @@ def freeze_heap() -> None:
     A process that imported torch and fully_shard holds about 285,000 objects that live as long as it does; every full
     collection walks them all (0.1-0.15 s here), and the tracker collects and scans on each entry. Frozen, they are
     out of every later collection and out of ``gc.get_objects()``, so the tracker finds the frozen tensors through
-    weak references kept here. Call it after the imports, when no process group but the default one is alive (a
-    frozen object in a reference cycle is never collected: a mesh frozen so would keep its groups' threads). The test
-    harness's workers and the benchmarks' ranks call it at start-up; the harness again after a call whose groups it
-    destroyed (collected first, here).
+    weak references kept here. Call it once, after the imports and before any process group but the default one
+    exists (a frozen object in a reference cycle is never collected: a mesh frozen so would keep its groups' threads).
+    The test harness's workers and the benchmarks' ranks call it at start-up.
     """
     gc.collect()
-    _FROZEN[:] = [ref for ref in _FROZEN if ref() is not None]
     _FROZEN.extend(weakref.ref(t) for t in _tensors(gc.get_objects()))
     gc.freeze()
 

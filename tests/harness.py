@@ -50,9 +50,6 @@ Design:
   compile tests use: about 370,000 objects that live as long as the worker; ``gc.freeze()``,
   ``support.storages.freeze_heap``): every later ``gc.collect()`` (the storage tracker's on each entry, the
   clean-up's) walks only what the calls made, which took the planner's measured grid from 10 s to 4 s per rank.
-  The clean-up above freezes too, once it has destroyed the call's groups and collected: what is left then
-  (modules a call imported, caches) is out of the later collections as well (GC was 16% of the workers' CPU in
-  the not-long suite, two thirds of it these full collections).
 * Workers run with one intra-op thread and deterministic algorithms, and die with the
   parent (``PR_SET_PDEATHSIG`` on Linux): nothing outlives a killed test run.
 * A rank that crashes (SIGSEGV, SIGABRT: heap corruption, a C++ abort) or hangs says where: each worker has
@@ -408,9 +405,7 @@ def _release_groups() -> None:
     while made:
         dist.destroy_process_group(made.pop())
     _clear_dtensor_caches()
-    from support.storages import freeze_heap
-
-    freeze_heap()  # collects (the groups in reference cycles go), then freezes what is left (module docstring)
+    gc.collect()
 
 
 def _share_meshes() -> None:
