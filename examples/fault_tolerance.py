@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,9 +29,29 @@ LOOPBACK = "127.0.0.1"  # where the one-machine launcher's Lighthouse listens un
 
 
 def free_port() -> int:
+    """A port no socket of this machine is bound to, drawn below the range the kernel takes connections' own ports from
+    (Linux: ``/proc/sys/net/ipv4/ip_local_port_range``), so that no connection made before our server binds it can
+    take it; the kernel's choice (port 0) where that range starts too low to leave room below it."""
+    low = _connection_ports_start()
+    for _ in range(64 if low > 20000 else 0):
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _connection_ports_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _host_port(host: str, port: int) -> str:

@@ -474,6 +474,23 @@ def test_the_launched_lighthouse_listens_on_loopback_unless_asked(tmp_path: Any,
         assert found["listening"] == ["::"] and found["url"].startswith("http://localhost:"), found
 
 
+def test_free_ports_are_drawn_below_the_connections_range() -> None:
+    """The launcher's free ports (the Lighthouse's, each group's MASTER_PORT) come from below the range the kernel
+    takes connections' own ports from: the many connections of the workers and the suite cannot take one before its
+    server binds it, as the kernel's own choice (port 0, from that range) allows."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import fault_tolerance
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    start = fault_tolerance._connection_ports_start()
+    ports = {fault_tolerance.free_port() for _ in range(20)}
+    if start > 20000:  # Linux's default range starts at 32768
+        assert all(10000 <= port < start for port in ports) and len(ports) > 1, (start, ports)
+    with socket.socket() as s:
+        s.bind(("", ports.pop()))  # free indeed
+
+
 def test_a_lighthouse_port_taken_before_it_binds_is_replaced_by_another(monkeypatch: Any) -> None:
     """The launcher picks a free port for its Lighthouse, and another process may take it before the Lighthouse binds
     it (here: a socket bound to it, as an outgoing connection's would be). That Lighthouse exits ("Address already
