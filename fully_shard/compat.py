@@ -10,13 +10,13 @@ torch's FSDP2, in one place: feature checks, and a version number only for a fix
   fully_shard loads it, through ``torch.distributed.checkpoint``); it is read from ``sys.modules``, never imported.
 - ``replicate``'s state: the parameters it averages (its DistributedDataParallel over a ParameterList), for the
   first-forward check of a model whose own parameters nobody shards (``tools/checks.py``).
-- Activation checkpointing around a traced gather (``traced.checkpointed``): from torch 2.13 AOT autograd recomputes
-  the gather in backward (torch 2.11 keeps the gathered parameters for backward; no attribute shows the fix, so the
-  version says it: ``CHECKPOINTED_GATHER_TRACES``). A recomputed op with random state fails there at run time: AOT
-  autograd saves its state after the DeviceMesh of the DTensor parameters, which its runtime takes for a tensor
-  ("expected all tensors_saved_with_vc_check to be Tensors"; torch 2.13 and 2.14.1). torch 2.14 counts attention
-  without dropout as not random (its partitioner's ``is_rng_op``), torch 2.13 counts it random (``random_op``: what
-  ``traced.random_recompute_checked`` tells the partitioner under ``compile_whole``).
+- Random ops recomputed in a checkpointed region (``traced.random_recompute_checked``): where a DeviceMesh is an input
+  of the traced graph (torch 2.13 and later: the partitioner's ``is_opaque_node`` shows it), AOT autograd saves such
+  an op's random state after the DeviceMesh of the DTensor parameters, which its runtime takes for a tensor ("expected
+  all tensors_saved_with_vc_check to be Tensors"; torch 2.13 and 2.14.1): ``random_state_after_mesh``. torch 2.11
+  passes no DeviceMesh into the graph and recomputes dropout as it does without fully_shard. torch 2.14 counts
+  attention without dropout as not random (its partitioner's ``is_rng_op``), torch 2.13 (and 2.11) count it random
+  (``random_op``: what ``traced.random_recompute_checked`` tells the partitioner under ``compile_whole``).
 - spmd_types (torch 2.14): a plain parameter annotated with local SPMD types, under ``dp_mesh_dims``, is sharded as
   the DTensor its annotation describes (``layout.SpmdTypesMesh``), where the installed torch's FSDP2 does so too.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -42,9 +42,19 @@ _CONTRACT = "torch.distributed._composable.contract"
 ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
-CHECKPOINTED_GATHER_TRACES = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 # torch 2.13's partitioner counts attention without dropout as random (2.14's does not: a private function shows it)
 ZERO_DROPOUT_IS_RANDOM = torch.torch_version.TorchVersion(torch.__version__) < "2.14"
+
+
+def _random_state_after_mesh() -> bool:
+    """Whether AOT autograd passes a DeviceMesh into the graphs it partitions (torch 2.13 and later), after which it
+    saves a recomputed random op's state where its runtime fails on it. Imports the partitioner (0.3 s, which
+    compiling imports anyway)."""
+    return hasattr(importlib.import_module("torch._functorch.partitioners"), "is_opaque_node")
+
+
+# called while dynamo traces: dynamo runs it, and takes its result for a constant
+random_state_after_mesh: Callable[[], bool] = torch.compiler.assume_constant_result(_random_state_after_mesh)
 
 
 def random_op(node: torch.fx.Node) -> bool:

@@ -222,14 +222,14 @@ def gathered_params(group: ParamGroup, reshard: bool, inside: bool = False,
         for p in params if sync and grad else ():
             p.tie.grad = None
         flags, tensors = tuple(h is not None for h in held), [h for h in held if h is not None]
-        if reshard:
+        if reshard or inside:  # in a checkpointed region too: the region's own policy alone, torch 2.11 saves it
             first = None if k_ranks is None else _first_level(
                 bucket, [cast(DTensor, p.sharded_param).to_local().detach() for p in params])  # kept for backward
             context = functools.partial(create_selective_checkpoint_contexts, _recompute_collectives)
-            fulls = checkpoint(_gather_bucket, bucket, sync, flags, False, first, *tensors, use_reentrant=False,
+            fulls = checkpoint(_gather_bucket, bucket, sync, flags, inside, first, *tensors, use_reentrant=False,
                                context_fn=context)
         else:
-            fulls = _gather_bucket(bucket, sync, flags, inside, None, *tensors)
+            fulls = _gather_bucket(bucket, sync, flags, False, None, *tensors)
         out += list(zip(params, fulls))
     return out
 
@@ -239,9 +239,9 @@ def checkpointed(state: Any) -> torch.nn.Module | None:
     activation checkpointing to each block, then ``fully_shard``), else None.
 
     Traced, such a group with ``reshard_after_forward`` is gathered inside the checkpointed region (the inner module's
-    hooks), so the backward recomputes the gather with the rest of the region (or as a selective policy says) rather
-    than keep the full parameters: the region's side effects (pointing the modules at the gathered parameters and back)
-    are then not replayed by the recomputation, which dynamo allows under
+    hooks, under the policy that recomputes it, whatever the region's policy saves), so the backward gathers again
+    rather than keep the full parameters: the region's side effects (pointing the modules at the gathered parameters
+    and back) are then not replayed by the recomputation, which dynamo allows under
     ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (``compile_whole`` sets it)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -430,17 +430,16 @@ def _check_checkpointed(state: Any, refuse: Any, per_block: str) -> None:
 
     if state.modules[0].checkpoint_impl is CheckpointImpl.REENTRANT:
         refuse("is in a reentrant checkpoint_wrapper", "Use checkpoint_impl=CheckpointImpl.NO_REENTRANT (the default).")
-    if not compat.CHECKPOINTED_GATHER_TRACES:
-        refuse(f"is in a checkpoint_wrapper (activation checkpointing) on torch {torch.__version__}",
-               "torch 2.13 and later trace it (this torch's AOT autograd keeps the gathered parameters for "
-               "backward). " + per_block)
+    # refused before torch fails at run time (F.dropout, no module: random_recompute_checked); where torch recomputes
+    # random ops in the region correctly (2.11), dropout stays, as without fully_shard
+    random_fails = compat.random_state_after_mesh()
     dropout = next(((name, m.p) for name, m in inner.named_modules()
                     if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training), None)
-    if dropout is not None:  # before torch fails at run time (F.dropout, no module: random_recompute_checked)
+    if dropout is not None and random_fails:
         refuse(f"has dropout in its checkpointed region ({dropout[0]!r}, p={dropout[1]:g}), whose random state torch "
                f"{torch.__version__}'s AOT autograd saves where its runtime fails on it (torch's error: expected all "
                "tensors_saved_with_vc_check to be Tensors)", "Set its p to 0 (or eval()). " + per_block)
-    if compat.ZERO_DROPOUT_IS_RANDOM and not _random_checked:
+    if random_fails and compat.ZERO_DROPOUT_IS_RANDOM and not _random_checked:
         refuse(f"is in a checkpoint_wrapper (activation checkpointing) under plain torch.compile on torch "
                f"{torch.__version__}, whose AOT autograd counts attention without dropout as random and then fails on "
                "the random state it saves", "Compile with fully_shard.compile_whole (it tells AOT autograd otherwise, "

@@ -45,9 +45,9 @@ STEPS = 5
 _PREFIX = "_checkpoint_wrapped_module."
 
 
-def build(setting: str, world: int) -> nn.Module:
-    """The model sharded for ``setting``: each block, then the root (``"unsharded"``: not sharded, the oracle for
-    inductor's own rounding)."""
+def build(setting: str, world: int, sharded: bool = True) -> nn.Module:
+    """The model sharded for ``setting``: each block, then the root (``"unsharded"`` or ``sharded=False``: not
+    sharded, the oracle for inductor's own rounding and for dropout's random numbers)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from fully_shard import MixedPrecisionPolicy, fully_shard
@@ -67,7 +67,7 @@ def build(setting: str, world: int) -> nn.Module:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **context)
     if setting == "tied":
         model.output.weight = model.tok_embeddings.weight
-    if setting == "unsharded":
+    if setting == "unsharded" or not sharded:
         return model
     shape = (2, world // 2) if setting == "hsdp" else (world,)
     mesh = init_device_mesh(device_type(), shape)
@@ -137,7 +137,8 @@ def _overlaps(code: str) -> list[int]:
 
 
 def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
-          backend: str = "aot_eager", options: dict[str, Any] | None = None, root: bool = False) -> dict[str, Any]:
+          backend: str = "aot_eager", options: dict[str, Any] | None = None, root: bool = False,
+          sharded: bool = True) -> dict[str, Any]:
     """``STEPS`` steps of ``micro`` micro-batches each (gradient sync off for all but the last, as torch's FSDP2 users
     accumulate); losses, full parameters, graph and collective counts (``inductor``: the collectives the generated code
     calls, forward then backward, and inductor's ``options``). ``root``: compiled with ``compile_whole`` (in place,
@@ -162,7 +163,7 @@ def train(setting: str, compiled: bool, micro: int = 1, accumulate: bool = True,
         return compiler
 
     recording = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"))
-    model = build(setting, dist.get_world_size())
+    model = build(setting, dist.get_world_size(), sharded)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run = (model if not compiled else compile_whole(model, backend=recording) if root
            else torch.compile(model, backend=recording, fullgraph=True) if backend == "aot_eager"
@@ -308,6 +309,7 @@ def test_compile_whole_traces_the_root_too() -> None:
 
 
 AC_SETTINGS = ["ac", "ac-reshard-false", "sac"]
+AC_DROPOUT = ["ac-dropout", "ac-functional-dropout"]  # random ops in the checkpointed region
 
 
 def _nested_checkpoint_refused() -> str:
@@ -332,8 +334,11 @@ def checkpoint_body() -> dict[str, Any]:
 
     world = dist.get_world_size()
     out: dict[str, Any] = {"nested": _nested_checkpoint_refused()}
-    if not compat.CHECKPOINTED_GATHER_TRACES:
-        return {**out, "old torch": _first_call_refused(build("ac", world))}
+    if not compat.random_state_after_mesh():  # torch 2.11: plain torch.compile with the flag, dropout recomputed too
+        out["flag off"] = _first_call_refused(build("ac", world), whole=False)
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            out.update({s: (train(s, False), train(s, True)) for s in [*AC_SETTINGS, *AC_DROPOUT]})
+        return {**out, "whole": (train("ac", False), train("ac", True, root=True))}
     out["dropout"] = _first_call_refused(build("ac-dropout", world))
     out["functional dropout"] = _first_call_refused(build("ac-functional-dropout", world))
     if compat.ZERO_DROPOUT_IS_RANDOM:  # torch 2.13: under compile_whole only (which sets the flag itself)
@@ -347,47 +352,68 @@ def checkpoint_body() -> dict[str, Any]:
     return {**out, "whole": (train("ac", False), train("ac", True, root=True))}  # compile_whole sets the flag itself
 
 
+def dropout_oracle_body() -> dict[str, Any]:
+    """One rank: the model with dropout in its checkpointed blocks, compiled whole with fully_shard, against the same
+    model unsharded compiled the same way (``torch.compile``, the same AC): the same random ops in the same order."""
+    return {s: (train(s, True, root=True), train(s, True, sharded=False)) for s in AC_DROPOUT}
+
+
 def test_whole_compile_with_activation_checkpointing() -> None:
     """Blocks in torchtitan's ``checkpoint_wrapper`` (full AC, and op-level selective AC saving matmuls, attention
-    and reduce-scatters): the all-gather runs inside the checkpointed region, so the backward graph gathers each block
-    again (``reshard_after_forward=False``: gathered before the region, whose inputs keep them: no all-gather in
-    backward), bitwise as eager; ``compile_whole`` too, which sets dynamo's flag for the region's side effects, and
-    plain ``torch.compile`` without that flag is refused naming it. Before torch 2.14 it is refused, naming the
-    torch. Not marked long: CI's compatibility runs (torch 2.11, 2.14.1) run it. An activation-checkpoint wrapper
-    inside a sharded block is refused on every torch."""
+    and reduce-scatters): the all-gather runs inside the checkpointed region, under a policy that recomputes it, so the
+    backward graph gathers each block again (``reshard_after_forward=False``: gathered before the region, whose inputs
+    keep them: no all-gather in backward), bitwise as eager; ``compile_whole`` too, which sets dynamo's flag for the
+    region's side effects, and plain ``torch.compile`` without that flag is refused naming it. Dropout in the region:
+    refused where torch fails on it (2.13, 2.14.1: its random state saved after the DeviceMesh); on torch 2.11 it
+    trains, bitwise as the unsharded model compiled the same way. Not marked long: CI's compatibility runs (torch
+    2.11, 2.14.1) run it. An activation-checkpoint wrapper inside a sharded block is refused on every torch."""
     from fully_shard import compat
 
+    random_fails = compat.random_state_after_mesh()
     for r in run_distributed(checkpoint_body, 2, timeout=600):
         assert "'feed_forward'), whose region would keep the gathered parameters" in r["nested"], r["nested"]
         assert "Apply fully_shard to the checkpoint_wrapper itself" in r["nested"], r["nested"]
-        if not compat.CHECKPOINTED_GATHER_TRACES:
-            assert f"in a checkpoint_wrapper (activation checkpointing) on torch {torch.__version__}" in r["old torch"]
-            assert "torch 2.13 and later trace it" in r["old torch"], r["old torch"]
-            continue
-        # dropout recomputed in the region: torch's AOT autograd would fail at run time on its saved random state. A
-        # Dropout module is refused at trace time, naming it; F.dropout by compile_whole's check of the partitioner
-        assert "has dropout in its checkpointed region ('feed_forward.1', p=0.1)" in r["dropout"], r["dropout"]
-        assert "Set its p to 0" in r["dropout"], r["dropout"]
-        functional = r["functional dropout"]
-        assert "a checkpointed region recomputes aten.native_dropout.default (File" in functional, functional
-        assert "in forward), random" in functional and "Set the region's dropout to 0" in functional, functional
-        if compat.ZERO_DROPOUT_IS_RANDOM:
+        if random_fails:
+            # dropout recomputed in the region: torch's AOT autograd would fail at run time on its saved random state.
+            # A Dropout module is refused at trace time, naming it; F.dropout by compile_whole's check of the
+            # partitioner
+            assert "has dropout in its checkpointed region ('feed_forward.1', p=0.1)" in r["dropout"], r["dropout"]
+            assert "Set its p to 0" in r["dropout"], r["dropout"]
+            functional = r["functional dropout"]
+            assert "a checkpointed region recomputes aten.native_dropout.default (File" in functional, functional
+            assert "in forward), random" in functional and "Set the region's dropout to 0" in functional, functional
+        if compat.ZERO_DROPOUT_IS_RANDOM and random_fails:
             assert "under plain torch.compile on torch" in r["plain"], r["plain"]
             assert "Compile with fully_shard.compile_whole" in r["plain"], r["plain"]
             for setting in AC_SETTINGS:
                 _check(setting, *r[setting], root=True)
             continue
         assert "skip_fwd_side_effects_in_bwd_under_checkpoint off" in r["flag off"], r["flag off"]
-        assert "has dropout in its checkpointed region" in r["dropout, plain"], r["dropout, plain"]
         assert "Compile with fully_shard.compile_whole" in r["flag off"], r["flag off"]
+        if random_fails:
+            assert "has dropout in its checkpointed region" in r["dropout, plain"], r["dropout, plain"]
         for setting in AC_SETTINGS:
             _check(setting, *r[setting])
+        for setting in AC_DROPOUT if not random_fails else ():  # other random numbers than eager's: structure only
+            eager, compiled = r[setting]
+            assert compiled["graphs"] == 1 and compiled["breaks"] == 0, (setting, compiled["graphs"])
+            assert compiled["collectives"] == {"forward": [Counter(all_gather_into_tensor=2)], "backward": [
+                Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)]}, compiled["collectives"]
+            assert compiled["losses"][0] != compiled["losses"][-1], compiled["losses"]
         eager, whole = r["whole"]
         assert whole["losses"] == eager["losses"] and whole["graphs"] == 1, (whole["losses"], eager["losses"])
         for name, p in whole["params"].items():
             torch.testing.assert_close(p, eager["params"][name], rtol=0, atol=0, msg=lambda m: f"whole {name}: {m}")
         assert whole["collectives"]["forward"] == [Counter(all_gather_into_tensor=3)], whole["collectives"]
         assert whole["collectives"]["backward"] == [Counter(all_gather_into_tensor=2, reduce_scatter_tensor=3)]
+    if not random_fails:
+        for r in run_distributed(dropout_oracle_body, 1, timeout=600):
+            for setting in AC_DROPOUT:
+                sharded, unsharded = r[setting]
+                assert sharded["losses"] == unsharded["losses"], (setting, sharded["losses"], unsharded["losses"])
+                for name, p in sharded["params"].items():
+                    torch.testing.assert_close(p, unsharded["params"][name], rtol=0, atol=0,
+                                               msg=lambda m: f"{setting} {name}: {m}")
 
 
 def accumulate_body(setting: str, micro: int) -> dict[str, Any]:
