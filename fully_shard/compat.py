@@ -10,13 +10,13 @@ torch's FSDP2, in one place: feature checks, and a version number only for a fix
   fully_shard loads it, through ``torch.distributed.checkpoint``); it is read from ``sys.modules``, never imported.
 - ``replicate``'s state: the parameters it averages (its DistributedDataParallel over a ParameterList), for the
   first-forward check of a model whose own parameters nobody shards (``tools/checks.py``).
-- Random ops recomputed in a checkpointed region (``traced.random_recompute_checked``): where a DeviceMesh is an input
-  of the traced graph (torch 2.13 and later: the partitioner's ``is_opaque_node`` shows it), AOT autograd saves such
-  an op's random state after the DeviceMesh of the DTensor parameters, which its runtime takes for a tensor ("expected
-  all tensors_saved_with_vc_check to be Tensors"; torch 2.13 and 2.14.1): ``random_state_after_mesh``. torch 2.11
-  passes no DeviceMesh into the graph and recomputes dropout as it does without fully_shard. torch 2.14 counts
-  attention without dropout as not random (its partitioner's ``is_rng_op``), torch 2.13 (and 2.11) count it random
-  (``random_op``: what ``traced.random_recompute_checked`` tells the partitioner under ``compile_whole``).
+- Random ops recomputed in a checkpointed region: where a DeviceMesh is an input of the traced graph (torch 2.13 and
+  later: the partitioner's ``is_opaque_node`` shows it; ``random_state_after_mesh``), AOT autograd saves such an op's
+  random state after the DeviceMesh of the DTensor parameters, which its runtime takes for a tensor ("expected all
+  tensors_saved_with_vc_check to be Tensors"; torch 2.13 and 2.14.1); ``traced.random_recompute_checked`` (under
+  ``compile_whole``) saves it before. torch 2.11 passes no DeviceMesh into the graph. torch 2.14 counts attention
+  without dropout as not random (its partitioner's ``is_rng_op``), torch 2.13 (and 2.11) count it random (``random_op``:
+  what ``traced.random_recompute_checked`` tells the partitioner).
 - spmd_types (torch 2.14): a plain parameter annotated with local SPMD types, under ``dp_mesh_dims``, is sharded as
   the DTensor its annotation describes (``layout.SpmdTypesMesh``), where the installed torch's FSDP2 does so too.
 """

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import operator
 import weakref
 from collections.abc import Iterator
 from typing import Any, cast
@@ -304,34 +305,53 @@ _random_checked = False
 def random_recompute_checked() -> Iterator[None]:
     """While it holds, AOT autograd's partitioner decides which recomputed ops are random as torch 2.14 does
     (``compat.random_op``: attention without dropout is not; torch 2.13 counts it random, then fails on what it saves),
-    and refuses a random op recomputed in a checkpointed region of a graph with DTensor parameters, whose saved random
-    state torch (2.13 and 2.14.1) misplaces after their DeviceMesh: its runtime then fails with "expected all
-    tensors_saved_with_vc_check to be Tensors". ``compile_whole`` runs the calls of a model with checkpointed blocks
-    under it; dynamo compiles in the first call (and in a recompiling one)."""
+    and saves a recomputed random op's state where its runtime reads it (``_states_before_meshes``). ``compile_whole``
+    runs the calls of a model with checkpointed blocks under it; dynamo compiles in the first call (and in a
+    recompiling one)."""
     global _random_checked
     partitioners: Any = importlib.import_module("torch._functorch.partitioners")
-    original = partitioners.has_recomputable_rng_ops
+    originals = partitioners.has_recomputable_rng_ops, partitioners.functionalize_rng_ops
     opaque = getattr(partitioners, "is_opaque_node", lambda node: False)  # torch 2.11: a DeviceMesh is no graph input
 
     def has_recomputable_rng_ops(graph: torch.fx.GraphModule) -> bool:
-        random = [n for n in graph.graph.nodes if partitioners.must_recompute(n) and compat.random_op(n)]
-        meshes = [n for n in graph.graph.find_nodes(op="placeholder") if opaque(n)]
-        if random and meshes:
-            trace = (random[0].meta.get("stack_trace") or "").strip().splitlines()
-            where = next((f" ({line.strip()})" for line in reversed(trace) if line.strip().startswith("File ")), "")
-            raise TracedUnsupportedError(
-                f"fully_shard under torch.compile: a checkpointed region recomputes {random[0].target}{where}, random "
-                f"(dropout or a random op), in a graph of DTensor parameters, whose random state torch "
-                f"{torch.__version__}'s AOT autograd saves where its runtime fails on it. Set the region's dropout to "
-                "0, keep that op out of the checkpointed region (a selective AC policy that saves it), or compile per "
-                "block.")
-        return bool(random)
+        return any(partitioners.must_recompute(n) and compat.random_op(n) for n in graph.graph.nodes)
 
-    partitioners.has_recomputable_rng_ops, _random_checked = has_recomputable_rng_ops, True
+    def functionalize_rng_ops(*args: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        forward, backward = originals[1](*args)
+        _states_before_meshes(forward, backward, opaque)
+        return forward, backward
+
+    partitioners.has_recomputable_rng_ops, partitioners.functionalize_rng_ops = (has_recomputable_rng_ops,
+                                                                                 functionalize_rng_ops)
+    _random_checked = True
     try:
         yield
     finally:
-        partitioners.has_recomputable_rng_ops, _random_checked = original, False
+        (partitioners.has_recomputable_rng_ops, partitioners.functionalize_rng_ops), _random_checked = originals, False
+
+
+def _states_before_meshes(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, opaque: Any) -> None:
+    """AOT autograd's ``functionalize_rng_ops`` (torch 2.13, 2.14.1) saves each recomputed random op's state (a tensor)
+    at the end of the saved values, after the saved opaque objects (the DeviceMesh of DTensor parameters), where its
+    runtime takes only opaque objects ("expected all tensors_saved_with_vc_check to be Tensors"). Moved before them,
+    in the forward's outputs and the backward's inputs alike, the states are saved tensors like the others."""
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    output = next(iter(forward.graph.find_nodes(op="output")))
+    outs = list(output.args[0])
+    states = [n for n in outs if isinstance(n, torch.fx.Node) and n.target is operator.getitem
+              and getattr(n.args[0], "target", None) is run_and_save_rng_state]
+    first = next((i for i, n in enumerate(outs) if isinstance(n, torch.fx.Node) and opaque(n)), None)
+    if not states or first is None or outs.index(states[0]) < first:
+        return
+    rest = [n for n in outs if not any(n is s for s in states)]
+    output.args = (tuple(rest[:first] + states + rest[first:]),)
+    placeholders = list(backward.graph.find_nodes(op="placeholder"))
+    meshes = [n for n in placeholders if opaque(n)]
+    for state in (n for n in placeholders if n.name.startswith("rng_state_output_")):
+        meshes[0].prepend(state)
+    forward.recompile()
+    backward.recompile()
 
 
 def compile_whole(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
@@ -430,16 +450,18 @@ def _check_checkpointed(state: Any, refuse: Any, per_block: str) -> None:
 
     if state.modules[0].checkpoint_impl is CheckpointImpl.REENTRANT:
         refuse("is in a reentrant checkpoint_wrapper", "Use checkpoint_impl=CheckpointImpl.NO_REENTRANT (the default).")
-    # refused before torch fails at run time (F.dropout, no module: random_recompute_checked); where torch recomputes
-    # random ops in the region correctly (2.11), dropout stays, as without fully_shard
-    random_fails = compat.random_state_after_mesh()
+    # plain torch.compile on 2.13 and later: refused before torch fails at run time, where compile_whole saves the
+    # random state where torch reads it (random_recompute_checked); F.dropout shows no module: torch's error then
+    random_fails = compat.random_state_after_mesh() and not _random_checked
     dropout = next(((name, m.p) for name, m in inner.named_modules()
                     if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training), None)
     if dropout is not None and random_fails:
-        refuse(f"has dropout in its checkpointed region ({dropout[0]!r}, p={dropout[1]:g}), whose random state torch "
-               f"{torch.__version__}'s AOT autograd saves where its runtime fails on it (torch's error: expected all "
-               "tensors_saved_with_vc_check to be Tensors)", "Set its p to 0 (or eval()). " + per_block)
-    if random_fails and compat.ZERO_DROPOUT_IS_RANDOM and not _random_checked:
+        refuse(f"has dropout in its checkpointed region ({dropout[0]!r}, p={dropout[1]:g}) under plain torch.compile "
+               f"on torch {torch.__version__}, whose AOT autograd saves its random state where its runtime fails on it "
+               "(torch's error: expected all tensors_saved_with_vc_check to be Tensors)",
+               "Compile with fully_shard.compile_whole (it saves that state where torch reads it), or set its p to 0 "
+               "(or eval()). " + per_block)
+    if random_fails and compat.ZERO_DROPOUT_IS_RANDOM:
         refuse(f"is in a checkpoint_wrapper (activation checkpointing) under plain torch.compile on torch "
                f"{torch.__version__}, whose AOT autograd counts attention without dropout as random and then fails on "
                "the random state it saves", "Compile with fully_shard.compile_whole (it tells AOT autograd otherwise, "

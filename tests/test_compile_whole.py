@@ -333,23 +333,20 @@ def checkpoint_body() -> dict[str, Any]:
     from fully_shard import compat
 
     world = dist.get_world_size()
-    out: dict[str, Any] = {"nested": _nested_checkpoint_refused()}
-    if not compat.random_state_after_mesh():  # torch 2.11: plain torch.compile with the flag, dropout recomputed too
-        out["flag off"] = _first_call_refused(build("ac", world), whole=False)
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-            out.update({s: (train(s, False), train(s, True)) for s in [*AC_SETTINGS, *AC_DROPOUT]})
-        return {**out, "whole": (train("ac", False), train("ac", True, root=True))}
-    out["dropout"] = _first_call_refused(build("ac-dropout", world))
-    out["functional dropout"] = _first_call_refused(build("ac-functional-dropout", world))
-    if compat.ZERO_DROPOUT_IS_RANDOM:  # torch 2.13: under compile_whole only (which sets the flag itself)
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-            out["plain"] = _first_call_refused(build("ac", world), whole=False)
-        return {**out, **{s: (train(s, False), train(s, True, root=True)) for s in AC_SETTINGS}}
-    out["flag off"] = _first_call_refused(build("ac", world), whole=False)
+    mesh_in_graph = compat.random_state_after_mesh()  # torch 2.13 and later
+    plain = not (mesh_in_graph and compat.ZERO_DROPOUT_IS_RANDOM)  # torch 2.13: AC under compile_whole only
+    out: dict[str, Any] = {"nested": _nested_checkpoint_refused(),
+                           "flag off": _first_call_refused(build("ac", world), whole=False)}
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-        out["dropout, plain"] = _first_call_refused(build("ac-dropout", world), whole=False)
-        out.update({s: (train(s, False), train(s, True)) for s in AC_SETTINGS})
-    return {**out, "whole": (train("ac", False), train("ac", True, root=True))}  # compile_whole sets the flag itself
+        if mesh_in_graph:  # a Dropout module in the region: refused under plain torch.compile (torch would fail)
+            out["dropout, plain"] = _first_call_refused(build("ac-dropout", world), whole=False)
+        if plain:
+            out.update({s: (train(s, False), train(s, True)) for s in AC_SETTINGS})
+    if not plain:
+        out.update({s: (train(s, False), train(s, True, root=True)) for s in AC_SETTINGS})
+    # compile_whole sets the flag itself; dropout recomputed in the region: other random numbers than eager's
+    out.update({f"whole {s}": (train(s, False), train(s, True, root=True)) for s in ["ac", *AC_DROPOUT]})
+    return out
 
 
 def dropout_oracle_body() -> dict[str, Any]:
@@ -363,57 +360,47 @@ def test_whole_compile_with_activation_checkpointing() -> None:
     and reduce-scatters): the all-gather runs inside the checkpointed region, under a policy that recomputes it, so the
     backward graph gathers each block again (``reshard_after_forward=False``: gathered before the region, whose inputs
     keep them: no all-gather in backward), bitwise as eager; ``compile_whole`` too, which sets dynamo's flag for the
-    region's side effects, and plain ``torch.compile`` without that flag is refused naming it. Dropout in the region:
-    refused where torch fails on it (2.13, 2.14.1: its random state saved after the DeviceMesh); on torch 2.11 it
-    trains, bitwise as the unsharded model compiled the same way. Not marked long: CI's compatibility runs (torch
-    2.11, 2.14.1) run it. An activation-checkpoint wrapper inside a sharded block is refused on every torch."""
+    region's side effects, and plain ``torch.compile`` without that flag is refused naming it (on torch 2.13 plain
+    ``torch.compile`` is refused, naming ``compile_whole``). Dropout in the region (a ``Dropout`` module, ``F.dropout``)
+    under ``compile_whole``: one graph, the same collectives, and on one rank bitwise as the unsharded model compiled
+    with the same AC (its random numbers are compiled code's, not eager's); a ``Dropout`` module under plain
+    ``torch.compile`` on 2.13 and later is refused (torch fails on its random state there). Not marked long: CI's
+    compatibility runs (torch 2.11, 2.14.1) run it. An activation-checkpoint wrapper inside a sharded block is refused
+    on every torch."""
     from fully_shard import compat
 
-    random_fails = compat.random_state_after_mesh()
+    mesh_in_graph = compat.random_state_after_mesh()
+    plain = not (mesh_in_graph and compat.ZERO_DROPOUT_IS_RANDOM)
     for r in run_distributed(checkpoint_body, 2, timeout=600):
         assert "'feed_forward'), whose region would keep the gathered parameters" in r["nested"], r["nested"]
         assert "Apply fully_shard to the checkpoint_wrapper itself" in r["nested"], r["nested"]
-        if random_fails:
-            # dropout recomputed in the region: torch's AOT autograd would fail at run time on its saved random state.
-            # A Dropout module is refused at trace time, naming it; F.dropout by compile_whole's check of the
-            # partitioner
-            assert "has dropout in its checkpointed region ('feed_forward.1', p=0.1)" in r["dropout"], r["dropout"]
-            assert "Set its p to 0" in r["dropout"], r["dropout"]
-            functional = r["functional dropout"]
-            assert "a checkpointed region recomputes aten.native_dropout.default (File" in functional, functional
-            assert "in forward), random" in functional and "Set the region's dropout to 0" in functional, functional
-        if compat.ZERO_DROPOUT_IS_RANDOM and random_fails:
-            assert "under plain torch.compile on torch" in r["plain"], r["plain"]
-            assert "Compile with fully_shard.compile_whole" in r["plain"], r["plain"]
-            for setting in AC_SETTINGS:
-                _check(setting, *r[setting], root=True)
-            continue
-        assert "skip_fwd_side_effects_in_bwd_under_checkpoint off" in r["flag off"], r["flag off"]
-        assert "Compile with fully_shard.compile_whole" in r["flag off"], r["flag off"]
-        if random_fails:
-            assert "has dropout in its checkpointed region" in r["dropout, plain"], r["dropout, plain"]
+        flag_off = "skip_fwd_side_effects_in_bwd_under_checkpoint off" if plain else "under plain torch.compile on"
+        assert flag_off in r["flag off"] and "Compile with fully_shard.compile_whole" in r["flag off"], r["flag off"]
+        if mesh_in_graph:
+            dropout = r["dropout, plain"]
+            assert "has dropout in its checkpointed region ('feed_forward.1', p=0.1) under plain torch.compile" in \
+                dropout or (not plain and "under plain torch.compile on torch" in dropout), dropout
+            assert "Compile with fully_shard.compile_whole" in dropout, dropout
         for setting in AC_SETTINGS:
-            _check(setting, *r[setting])
-        for setting in AC_DROPOUT if not random_fails else ():  # other random numbers than eager's: structure only
-            eager, compiled = r[setting]
-            assert compiled["graphs"] == 1 and compiled["breaks"] == 0, (setting, compiled["graphs"])
-            assert compiled["collectives"] == {"forward": [Counter(all_gather_into_tensor=2)], "backward": [
-                Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)]}, compiled["collectives"]
-            assert compiled["losses"][0] != compiled["losses"][-1], compiled["losses"]
-        eager, whole = r["whole"]
-        assert whole["losses"] == eager["losses"] and whole["graphs"] == 1, (whole["losses"], eager["losses"])
-        for name, p in whole["params"].items():
-            torch.testing.assert_close(p, eager["params"][name], rtol=0, atol=0, msg=lambda m: f"whole {name}: {m}")
-        assert whole["collectives"]["forward"] == [Counter(all_gather_into_tensor=3)], whole["collectives"]
-        assert whole["collectives"]["backward"] == [Counter(all_gather_into_tensor=2, reduce_scatter_tensor=3)]
-    if not random_fails:
-        for r in run_distributed(dropout_oracle_body, 1, timeout=600):
-            for setting in AC_DROPOUT:
-                sharded, unsharded = r[setting]
-                assert sharded["losses"] == unsharded["losses"], (setting, sharded["losses"], unsharded["losses"])
-                for name, p in sharded["params"].items():
-                    torch.testing.assert_close(p, unsharded["params"][name], rtol=0, atol=0,
-                                               msg=lambda m: f"{setting} {name}: {m}")
+            _check(setting, *r[setting], root=not plain)
+        for setting in ["ac", *AC_DROPOUT]:
+            eager, whole = r[f"whole {setting}"]
+            assert whole["graphs"] == 1 and whole["breaks"] == 0, (setting, whole["graphs"])
+            assert whole["collectives"] == {"forward": [Counter(all_gather_into_tensor=3)], "backward": [
+                Counter(all_gather_into_tensor=2, reduce_scatter_tensor=3)]}, (setting, whole["collectives"])
+            if setting in AC_DROPOUT:
+                assert whole["losses"][0] != whole["losses"][-1], (setting, whole["losses"])
+                continue
+            assert whole["losses"] == eager["losses"], (whole["losses"], eager["losses"])
+            for name, p in whole["params"].items():
+                torch.testing.assert_close(p, eager["params"][name], rtol=0, atol=0, msg=lambda m: f"whole {name}: {m}")
+    for r in run_distributed(dropout_oracle_body, 1, timeout=600):
+        for setting in AC_DROPOUT:
+            sharded, unsharded = r[setting]
+            assert sharded["losses"] == unsharded["losses"], (setting, sharded["losses"], unsharded["losses"])
+            for name, p in sharded["params"].items():
+                torch.testing.assert_close(p, unsharded["params"][name], rtol=0, atol=0,
+                                           msg=lambda m: f"{setting} {name}: {m}")
 
 
 def accumulate_body(setting: str, micro: int) -> dict[str, Any]:
