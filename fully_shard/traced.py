@@ -348,7 +348,14 @@ def _states_before_meshes(forward: torch.fx.GraphModule, backward: torch.fx.Grap
     output.args = (tuple(rest[:first] + states + rest[first:]),)
     placeholders = list(backward.graph.find_nodes(op="placeholder"))
     meshes = [n for n in placeholders if opaque(n)]
-    for state in (n for n in placeholders if n.name.startswith("rng_state_output_")):
+    inputs = [n for n in placeholders if n.name.startswith("rng_state_output_")]  # torch's names for them
+    if len(inputs) != len(states) or not meshes:  # never a forward and a backward that disagree
+        raise TracedUnsupportedError(
+            f"fully_shard under torch.compile: torch {torch.__version__}'s AOT autograd saved {len(states)} random "
+            f"states for backward, which takes {len(inputs)} (by their names) beside {len(meshes)} DeviceMesh inputs; "
+            "fully_shard cannot place them where its runtime reads them. Set dropout to 0 in the checkpointed blocks, "
+            "or compile per block.")
+    for state in inputs:
         meshes[0].prepend(state)
     forward.recompile()
     backward.recompile()
